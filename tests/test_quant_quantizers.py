@@ -158,3 +158,30 @@ def test_nan_input_raises_through_the_component():
     for q, name in named:
         with pytest.raises(ValueError, match=rf"^{name}: input has 1 NaN/inf value"):
             q.quantize(x)
+
+
+DEFERRED = [FP8Quantizer(), NVFP4Quantizer(), TernaryQuantizer(), IntQuantizer(bits=4),
+            IntQuantizer(bits=2, layout="kivi", token_group=4)]
+
+
+@pytest.mark.parametrize("q", DEFERRED)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_caller_flags_defer_the_error_to_check_flags(q, bad):
+    """With ``flags`` the kernels only record bad input; check_flags raises it later."""
+    from kvcompose.ops.quant_common import check_flags, interpreted, new_flags
+    from kvcompose.ops.quant_fp8 import _fp8_quantize_kernel
+
+    if not interpreted(_fp8_quantize_kernel):
+        pytest.skip("kernels were defined without TRITON_INTERPRET=1")
+    x = x_of(torch.float32)
+    flags = new_flags(x.device)
+    good = q.quantize(x, role="key", flags=flags)  # no error recorded: nothing raised
+    check_flags(flags)
+    assert all(torch.equal(a, b) for a, b in
+               zip(good.tensors().values(), q.quantize(x, role="key", backend="torch").tensors().values()))
+    x[5, 0, 3] = bad
+    q.quantize(x, role="key", flags=flags)  # recorded, not raised
+    with pytest.raises(ValueError, match="^test: a call since the last check got NaN/inf input"):
+        check_flags(flags, "test")
+    with pytest.raises(ValueError, match=r"flags must be a one-element int32 tensor on cpu .* got torch.int64"):
+        q.quantize(x, role="key", flags=torch.zeros(1, dtype=torch.int64))

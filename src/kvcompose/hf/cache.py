@@ -57,6 +57,8 @@ class KVComposeLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif self.layer_idx == 0:
+            self.cache.check_errors()  # once per forward pass: what the previous one's encodes recorded
         setattr(key_states, LAYER_ATTR, self)
         self._pending = True
         return key_states, value_states
@@ -189,6 +191,16 @@ class KVComposeCache(Cache):
     def views(self) -> list[StoreView]:
         """Current dense views of every initialized layer (for inspection and tests)."""
         return [layer.store.view() for layer in self.layers if layer.store is not None]
+
+    def check_errors(self) -> None:
+        """Raise for NaN/inf keys or values that quantized encoding recorded on the GPU.
+
+        Encoding does not wait for the GPU to say whether its input was finite; the cache
+        asks once per forward pass (and :func:`~kvcompose.hf.generate.generate` at the end).
+        """
+        for layer in self.layers:
+            if layer.store is not None:
+                layer.store.check_errors()
 
     def time_phases(self, enabled: bool = True) -> None:
         """Measure wall time of attention, eviction and classifier refresh (synchronizes CUDA; slows decoding)."""

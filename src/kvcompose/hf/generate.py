@@ -86,6 +86,7 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
     eos = _eos_ids(model, tokenizer)
     sequences = [_until_eos(row.tolist(), eos) for row in new]
     texts = [tokenizer.decode(seq, skip_special_tokens=True) for seq in sequences]
+    cache.check_errors()
     return GenerationOutput(texts, sequences, cache.report(), enc["attention_mask"].sum(1).tolist())
 
 

@@ -167,6 +167,59 @@ def raise_on_flags(flags: torch.Tensor, x: torch.Tensor, fmt: str, scale: torch.
         bad_head_scale(scale, fmt)
 
 
+def check_flag_tensor(flags: torch.Tensor, x: torch.Tensor) -> None:
+    """A caller-owned error flag must be a one-element int32 tensor on ``x``'s device."""
+    if not isinstance(flags, torch.Tensor) or flags.dtype != torch.int32 or flags.numel() != 1 \
+            or flags.device != x.device:
+        got = f"{flags.dtype} {tuple(flags.shape)} on {flags.device}" if isinstance(flags, torch.Tensor) else flags
+        raise ValueError(f"flags must be a one-element int32 tensor on {x.device} (see new_flags), got {got}")
+
+
+def check_flags(flags: torch.Tensor, what: str = "quantize") -> None:
+    """Raise for the errors quantize calls with caller-owned ``flags`` recorded (one host synchronization).
+
+    The deferred form of the checks: those calls did not synchronize, so the offending
+    input is no longer at hand and the message names the error kinds only.
+    """
+    bits = flag_bits(flags)
+    if not bits:
+        return
+    kinds = [name for bit, name in ((FLAG_NONFINITE, "NaN/inf input"), (FLAG_BAD_SCALE, "a head scale that is not "
+             "finite and > 0"), (FLAG_RANGE, "values beyond the float16 range of INT scales")) if bits & bit]
+    raise ValueError(f"{what}: a call since the last check got {' and '.join(kinds)}; its result is not valid")
+
+
+def quantize_two_level(x, scale, backend, flags, *, fmt: str, divisor: float, multiple: int, kernel, reference,
+                       launch):
+    """Dispatch shared by the formats with an fp32 per-head scale (fp8, nvfp4, ternary).
+
+    Returns ``(codes, scale)`` (codes: whatever ``reference(x, scale)`` / ``launch(x, scale,
+    flags)`` return). Torch path: every check first. Kernel path: one pass over ``x``
+    (two when the scale comes from ``x``), errors found by the kernel; with ``flags=None``
+    they are raised at once (one host synchronization), with a caller-owned ``flags``
+    tensor they are only recorded there (no synchronization, CUDA-graph safe) and
+    :func:`check_flags` raises them later.
+    """
+    check_shape(x, fmt, multiple)
+    if not use_triton(x, kernel, backend):
+        amax = check_input(x, fmt, multiple)
+        scale = head_scale(amax, divisor) if scale is None else check_head_scale(scale, x, fmt)
+        return reference(x, scale), scale
+    x = x.detach().contiguous()
+    if flags is not None:
+        check_flag_tensor(flags, x)
+    if scale is None:
+        amax, own = head_amax_triton(x)
+        scale = head_scale(amax, divisor)
+    else:
+        scale = check_head_scale(scale, x, fmt, values=x.numel() == 0)
+        own = new_flags(x.device) if flags is None else None
+    codes = launch(x, scale, own if flags is None else flags)
+    if flags is None:
+        raise_on_flags(own, x, fmt, scale)
+    return codes, scale
+
+
 def flag_bits(flags: torch.Tensor) -> int:
     return int((flags if flags.numel() == 1 else flags[-1]).item())
 
@@ -301,6 +354,12 @@ def rne_int(w: torch.Tensor) -> torch.Tensor:
     return ip + up.to(torch.int32)
 
 
+def reciprocal(t: torch.Tensor) -> torch.Tensor:
+    """``1 / t`` correctly rounded, the reference of :func:`recip_tl` (a tensor numerator:
+    CUDA turns division by a Python scalar into a multiply by an approximate reciprocal)."""
+    return torch.ones_like(t) / t
+
+
 def block_scale_e4m3(ratio: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
     """E4M3 block scale (fp32 value) for a block whose ideal scale is ``ratio``.
 
@@ -430,34 +489,30 @@ def block_scale_e4m3_tl(ratio, block_amax):
 
 @jit
 def e2m1_encode_tl(y):
-    # Same codes as the seven comparisons of :func:`e2m1_encode`, in fewer operations:
-    # below 1 the values are multiples of 0.5 (round 2|y| to an integer, ties to even);
-    # from 1 to 6 E2M1 is a float with one mantissa bit, so round the fp32 pattern to
-    # one mantissa bit (ties to even) and read exponent and mantissa off it
-    # (1.0 = 0x3F800000 -> 254 -> code 2). Both tie rules are the "even code" rule.
+    # Same codes as the seven comparisons of :func:`e2m1_encode`, in fewer operations. The
+    # E2M1 grid has spacing q = 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]: q is read off the
+    # exponent of |y|, and adding M = q * 2^23 rounds |y| to a multiple of q in one fp32
+    # addition (nearest, ties to the even multiple, which is the even code). The sum's low
+    # bits count the multiples k = v / q, and the code is k plus 0, 2 or 4 for the three
+    # spacings (0.5 -> 1, 1 -> 2, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7).
     a = tl.minimum(tl.abs(y), 6.0)
-    sub = rne_small_tl(a * 2.0)
-    bits = a.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
-    idx = tl.where(a < 1.0, sub, normal)
-    sign = ((y < 0) & (idx > 0)).to(tl.int32) << 3
-    return idx | sign
+    q = tl.maximum((a.to(tl.int32, bitcast=True) & 0x7F800000) - 0x800000, 0x3F000000)  # fp32 bits of q
+    m = q + 0xB800000  # M = q * 2^23
+    k = (a + m.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - m
+    idx = k + ((q - 0x3F000000) >> 22)
+    sign = (y.to(tl.int32, bitcast=True) >> 28) & 8
+    return tl.where(idx > 0, idx | sign, 0)
 
 
 @jit
 def e2m1_decode_tl(code):
+    # Built from bits instead of arithmetic: for magnitude index i = 2e + m >= 2 the value
+    # 2^(e-1) * (1 + m/2) is the fp32 pattern ((i + 252) << 22) (1.0 = 254 << 22); index 1
+    # is the subnormal 0.5 (0x3F000000) and 0 is 0. The same values as :func:`e2m1_decode`.
     c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.5, pow2 * (1.0 + m * 0.5))
-    return (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@jit
-def nonfinite_tl(x):
-    """FLAG_NONFINITE (1) where fp32 ``x`` is NaN or +-inf (exponent bits all ones), else 0."""
-    return ((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
+    i = c & 7
+    mag = tl.where(i < 2, i * 0x3F000000, (i + 252) << 22)
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @jit
@@ -468,8 +523,49 @@ def bad_scale_tl(s):
 
 @jit
 def set_flag_tl(flag_ptr, bits):
-    """OR the scalar ``bits`` into the flag (only when non-zero: no atomics on good input)."""
-    tl.atomic_or(flag_ptr, bits, mask=bits != 0)
+    """OR ``bits`` (a scalar or a tensor of error bits) into the flag; predicated off where 0, so
+    good input issues no memory traffic and needs no reduction across the program."""
+    tl.atomic_or(flag_ptr + tl.zeros_like(bits), bits, mask=bits != 0)
+
+
+@jit
+def abs_bits_tl(x):
+    """``|x|`` of fp32 ``x`` as int32 bit patterns: their integer order is the float order, and
+    NaN lies above +inf, so an integer max over them is an amax that cannot lose a NaN."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@jit
+def nonfinite_bits_tl(amax_bits):
+    """FLAG_NONFINITE (1) where an amax from :func:`abs_bits_tl` is NaN or inf, else 0."""
+    return (amax_bits >= 0x7F800000).to(tl.int32)
+
+
+@jit
+def block_heads_tl(blk0, b, H: tl.constexpr, NB: tl.constexpr):
+    """KV head of blocks ``blk0 + b`` (``blk0`` an int64 tile start, ``b`` a small int32 range) when
+    ``NB`` blocks per head are numbered flat over ``[N, H, NB]``; 32-bit arithmetic per block."""
+    return (((blk0 % (H * NB)).to(tl.int32) + b) // NB) % H
+
+
+@jit
+def max_nan_tl(a, b):
+    """Combine function of a max reduction that keeps NaN (plain ``tl.max`` may drop it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
+def min_nan_tl(a, b):
+    """Combine function of a min reduction that keeps NaN."""
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
+def recip_tl(x):
+    """``1 / x`` correctly rounded (IEEE division, as torch's ``1 / x``): kernels divide once
+    per scale and multiply every value by the result, because a division per value costs
+    more than moving the value through memory."""
+    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
 
 
 @jit

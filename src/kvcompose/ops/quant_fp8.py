@@ -5,8 +5,9 @@ Format, for ``x`` of shape ``[N, H, D]`` (tokens, KV heads, head dim):
 - ``scale[h] = amax(|x[:, h, :]|) / 448`` in fp32 (1 if that is 0), unless the
   caller passes a fixed per-(layer, head) scale; values beyond ``448 * scale``
   then saturate to +-448.
-- ``code = E4M3(x / scale)``: IEEE fp32 division, then round to nearest E4M3, ties
-  to even (the same result as ``.to(torch.float8_e4m3fn)`` on the clamped value).
+- ``code = E4M3(x * (1 / scale))``: the reciprocal once per head (IEEE division),
+  a multiply per value, then round to nearest E4M3, ties to even (the same result as
+  ``.to(torch.float8_e4m3fn)`` on the clamped product).
   Codes are the E4M3 bit patterns as uint8 (``codes.view(torch.float8_e4m3fn)``
   gives the float8 tensor).
 - ``x_hat = E4M3_value(code) * scale`` (fp32, then cast to the requested dtype).
@@ -22,25 +23,23 @@ import torch
 from .quant_common import (
     E4M3_MAX,
     LAUNCH_OPTS,
+    abs_bits_tl,
     bad_scale_tl,
     cdiv,
-    check_head_scale,
-    check_input,
-    check_shape,
     e4m3_decode,
     e4m3_decode_tl,
     e4m3_encode,
     e4m3_encode_hw_tl,
     e4m3_encode_tl,
-    head_amax_triton,
-    head_scale,
     hw_e4m3,
     jit,
     new_flags,
     next_pow2,
-    nonfinite_tl,
+    nonfinite_bits_tl,
     out_buffer,
-    raise_on_flags,
+    quantize_two_level,
+    recip_tl,
+    reciprocal,
     set_flag_tl,
     store_out_tl,
     tl,
@@ -48,9 +47,9 @@ from .quant_common import (
 )
 
 FORMAT = "fp8"
-QUANT_TILE = 8192  # values per quantize program: ROWS = QUANT_TILE / next_pow2(D) (token, head) rows
+QUANT_TILE = 4096  # values per quantize program: ROWS = QUANT_TILE / next_pow2(D) (token, head) rows
 QUANT_WARPS = 8
-DEQUANT_TILE = 8192  # values per dequantize program
+DEQUANT_TILE = 4096  # values per dequantize program
 DEQUANT_WARPS = 8
 
 
@@ -65,20 +64,23 @@ def _fp8_quantize_kernel(
     ROWS: tl.constexpr, HW: tl.constexpr,
 ):
     # One program per ROWS (token, head) rows of D values; row r belongs to head r % H.
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    ok = r < n_rows
+    # 64-bit offsets only for the program's start, 32-bit ones inside the tile.
+    row0 = tl.program_id(0).to(tl.int64) * ROWS
+    r = tl.arange(0, ROWS)
+    ok = r < n_rows - row0
     d = tl.arange(0, BD)[None, :]
     mask = ok[:, None] & (d < D)
     offs = r[:, None] * D + d
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr + r % H, mask=ok, other=1.0)
-    y = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    x = tl.load(x_ptr + row0 * D + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + ((row0 % H).to(tl.int32) + r) % H, mask=ok, other=1.0)
+    y = x * recip_tl(scale)[:, None]
     if HW:
         code = e4m3_encode_hw_tl(y)
     else:
         code = e4m3_encode_tl(y)
-    tl.store(code_ptr + offs, code.to(tl.uint8), mask=mask)
-    set_flag_tl(flag_ptr, tl.max(tl.max(nonfinite_tl(x), axis=1), axis=0) | tl.max(bad_scale_tl(scale), axis=0))
+    tl.store(code_ptr + row0 * D + offs, code.to(tl.uint8), mask=mask)
+    row_amax = tl.max(abs_bits_tl(x), axis=1)
+    set_flag_tl(flag_ptr, nonfinite_bits_tl(row_amax) | bad_scale_tl(scale))
 
 
 @jit
@@ -102,7 +104,7 @@ def _fp8_dequantize_kernel(
 
 def fp8_quantize_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Reference: E4M3 codes (uint8 ``[N, H, D]``) of ``x`` under per-head ``scale`` ``[H]``."""
-    return e4m3_encode(x.to(torch.float32) / scale[None, :, None])
+    return e4m3_encode(x.to(torch.float32) * reciprocal(scale)[None, :, None])
 
 
 def fp8_quantize_triton(x: torch.Tensor, scale: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,30 +144,17 @@ def fp8_dequantize_triton(codes: torch.Tensor, scale: torch.Tensor, dtype: torch
 
 
 def fp8_quantize(
-    x: torch.Tensor, scale: torch.Tensor | None = None, backend: str | None = None
+    x: torch.Tensor, scale: torch.Tensor | None = None, backend: str | None = None, flags: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``[N, H, D]`` to E4M3; returns ``(codes uint8 [N, H, D], scale fp32 [H])``.
 
     ``scale`` fixes the per-head scale (e.g. one per layer and head for a whole
     cache); by default it is computed from ``x``. ``backend``: None (auto), "triton", "torch".
-    NaN/inf input or a scale that is not finite and > 0 raise a ValueError.
+    NaN/inf input or a scale that is not finite and > 0 raise a ValueError, at once, or
+    with ``flags`` (kernel path) later through :func:`~kvcompose.ops.quant_common.check_flags`.
     """
-    check_shape(x, FORMAT)
-    if not use_triton(x, _fp8_quantize_kernel, backend):
-        amax = check_input(x, FORMAT)
-        scale = head_scale(amax, E4M3_MAX) if scale is None else check_head_scale(scale, x, FORMAT)
-        return fp8_quantize_torch(x, scale), scale
-    # Kernel path: one pass over x (two without a scale), errors found in the kernel, one host sync.
-    x = x.detach().contiguous()
-    if scale is None:
-        amax, flags = head_amax_triton(x)
-        scale = head_scale(amax, E4M3_MAX)
-    else:
-        scale = check_head_scale(scale, x, FORMAT, values=x.numel() == 0)
-        flags = new_flags(x.device)
-    codes = fp8_quantize_triton(x, scale, flags)
-    raise_on_flags(flags, x, FORMAT, scale)
-    return codes, scale
+    return quantize_two_level(x, scale, backend, flags, fmt=FORMAT, divisor=E4M3_MAX, multiple=1,
+                              kernel=_fp8_quantize_kernel, reference=fp8_quantize_torch, launch=fp8_quantize_triton)
 
 
 def fp8_dequantize(

@@ -7,7 +7,8 @@ For a group of values with minimum ``lo`` and maximum ``hi`` (all arithmetic fp3
   uses exactly the numbers coding used. A scale that is 0 after rounding
   (constant group) becomes 1; a minimum of zero is stored as +0 (the sign of a zero
   minimum would otherwise depend on the order of the min reduction).
-- ``q = round_half_even(clamp((x - lo) / scale, 0, 2^k - 1))``.
+- ``q = round_half_even(clamp((x - lo) * (1 / scale), 0, 2^k - 1))``: the reciprocal once
+  per group (IEEE division), a subtract and a multiply per value.
 - ``x_hat = q * scale + lo`` (a multiply then an add, two roundings; kernels are
   launched without FMA fusion so the GPU matches torch).
 
@@ -34,16 +35,20 @@ from .quant_common import (
     FLAG_RANGE,
     LAUNCH_OPTS,
     cdiv,
+    check_flag_tensor,
     check_input,
     check_shape,
     flag_bits,
     jit,
+    max_nan_tl,
+    min_nan_tl,
     new_flags,
     next_pow2,
-    nonfinite_tl,
     out_buffer,
     pack_codes,
     raise_on_flags,
+    recip_tl,
+    reciprocal,
     rne_int,
     rne_small_tl,
     set_flag_tl,
@@ -57,13 +62,16 @@ FORMAT = "int"
 BITS = (2, 4, 8)
 SCALE_DTYPES = (torch.float16, torch.float32)
 FP16_MAX = 65504.0
-TILE = 4096  # values per program
-WARPS = 4
+# Launch shapes, per kernel: values per program and warps per program.
+TOKEN_QUANT = (1024, 1)
+TOKEN_DEQUANT = (8192, 4)
+CHANNEL_QUANT_WARPS = 1  # a program holds one token group x head dim of one head
+CHANNEL_DEQUANT = (2048, 1)
 
 
-def _tile(width: int) -> int:
-    """Groups (or rows) of ``width`` values per program: about :data:`TILE` values in all."""
-    return max(1, TILE // next_pow2(width))
+def _tile(width: int, values: int) -> int:
+    """Groups (or rows) of ``width`` values per program: about ``values`` values in all."""
+    return max(1, values // next_pow2(width))
 
 
 # ---------------------------------------------------------------------------
@@ -81,7 +89,7 @@ def int_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, scale_dtype: torch
 
 def int_encode(x: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int) -> torch.Tensor:
     """Reference: integer codes of ``x`` (int32) under broadcastable ``scale``/``lo``."""
-    y = ((x - lo) / scale).clamp(0.0, float((1 << bits) - 1))
+    y = ((x - lo) * reciprocal(scale)).clamp(0.0, float((1 << bits) - 1))
     return rne_int(y)
 
 
@@ -95,8 +103,8 @@ def _int_params_tl(lo, hi, BITS: tl.constexpr, HALF: tl.constexpr):
 
 
 @jit
-def _int_encode_tl(x, scale, lo, BITS: tl.constexpr):
-    y = tl.div_rn(x - lo, scale)
+def _int_encode_tl(x, inv_scale, lo, BITS: tl.constexpr):
+    y = (x - lo) * inv_scale
     y = tl.minimum(tl.maximum(y, 0.0), ((1 << BITS) - 1) * 1.0)
     return rne_small_tl(y)
 
@@ -107,14 +115,15 @@ def _int_encode_tl(x, scale, lo, BITS: tl.constexpr):
 
 
 @jit
-def _range_flags_tl(x, lo, hi, HALF: tl.constexpr):
-    """Error bits of one tile (``x`` 2-D, ``lo``/``hi`` 1-D): NaN/inf anywhere; with fp16 scales, FLAG_RANGE
-    where a group extreme lies beyond the fp16 range."""
-    bits = tl.max(tl.max(nonfinite_tl(x), axis=1), axis=0)
+def _range_flags_tl(lo, hi, ok, HALF: tl.constexpr):
+    """Error bits per group from its extremes (found by NaN-propagating reductions, so a NaN
+    or inf anywhere in the group shows in them): FLAG_NONFINITE; with fp16 scales, FLAG_RANGE
+    where an extreme lies beyond the fp16 range. Groups outside the tensor (``ok`` false) get 0."""
+    finite = (lo >= -3.4028234663852886e38) & (hi <= 3.4028234663852886e38)  # false for NaN
+    bits = tl.where(finite, 0, 1)
     if HALF:
-        big = tl.maximum(tl.abs(lo), tl.abs(hi)) > 65504.0
-        bits = bits | tl.max(tl.where(big, 4, 0), axis=0)
-    return bits
+        bits = bits | tl.where(tl.maximum(tl.abs(lo), tl.abs(hi)) > 65504.0, 4, 0)
+    return tl.where(ok, bits, 0)
 
 
 @jit
@@ -124,25 +133,26 @@ def _int_token_quantize_kernel(
 ):
     PER: tl.constexpr = 8 // BITS
     GB: tl.constexpr = GS // PER
-    grp = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    ok = grp < n_groups
+    g0 = tl.program_id(0).to(tl.int64) * GROUPS  # 64-bit offsets for the tile start only
+    grp = tl.arange(0, GROUPS)[:, None]  # per-group values stay [GROUPS, 1] in the tile's layout
+    ok = grp < n_groups - g0
     c = tl.arange(0, BG)[None, :]
-    mask = ok[:, None] & (c < GS)
-    x = tl.load(x_ptr + grp[:, None] * GS + c, mask=mask, other=0.0).to(tl.float32)
+    mask = ok & (c < GS)
+    x = tl.load(x_ptr + g0 * GS + grp * GS + c, mask=mask, other=0.0).to(tl.float32)
 
-    lo = tl.min(tl.where(mask, x, float("inf")), axis=1)
-    hi = tl.max(tl.where(mask, x, float("-inf")), axis=1)
-    bits = _range_flags_tl(x, tl.where(ok, lo, 0.0), tl.where(ok, hi, 0.0), HALF)
+    lo = tl.reduce(tl.where(mask, x, float("inf")), 1, min_nan_tl, keep_dims=True)
+    hi = tl.reduce(tl.where(mask, x, float("-inf")), 1, max_nan_tl, keep_dims=True)
+    flags = _range_flags_tl(lo, hi, ok, HALF)
     scale, lo = _int_params_tl(lo, hi, BITS, HALF)
-    q = _int_encode_tl(x, tl.broadcast_to(scale[:, None], x.shape), lo[:, None], BITS)
+    q = _int_encode_tl(x, recip_tl(scale), lo, BITS)
     j = tl.arange(0, PER)[None, None, :]
     packed = tl.sum(tl.reshape(q, [GROUPS, BG // PER, PER]) << (BITS * j), axis=2)
 
     b = tl.arange(0, BG // PER)[None, :]
-    tl.store(code_ptr + grp[:, None] * GB + b, packed.to(tl.uint8), mask=ok[:, None] & (b < GB))
-    tl.store(scale_ptr + grp, scale, mask=ok)
-    tl.store(lo_ptr + grp, lo, mask=ok)
-    set_flag_tl(flag_ptr, bits)
+    tl.store(code_ptr + g0 * GB + grp * GB + b, packed.to(tl.uint8), mask=ok & (b < GB))
+    tl.store(scale_ptr + g0 + grp, scale, mask=ok)
+    tl.store(lo_ptr + g0 + grp, lo, mask=ok)
+    set_flag_tl(flag_ptr, flags)
 
 
 @jit
@@ -195,10 +205,11 @@ def int_token_quantize_triton(
     flags = new_flags(x.device) if flags is None else flags
     if x.numel():
         n_groups = n * h * ng
-        tile = _tile(group_size)
+        values, warps = TOKEN_QUANT
+        tile = _tile(group_size, values)
         _int_token_quantize_kernel[(cdiv(n_groups, tile),)](
             x, codes, scale, lo, flags, n_groups, GS=group_size, BITS=bits, HALF=scale_dtype == torch.float16,
-            GROUPS=tile, BG=next_pow2(group_size), num_warps=WARPS, **LAUNCH_OPTS,
+            GROUPS=tile, BG=next_pow2(group_size), num_warps=warps, **LAUNCH_OPTS,
         )
     return codes, scale, lo
 
@@ -222,10 +233,11 @@ def int_token_dequantize_triton(codes, scale, lo, bits: int, dtype: torch.dtype 
     out, dst, kind = out_buffer((n, h, d), dtype, codes.device)
     if out.numel():
         n_groups = n * h * ng
-        tile = _tile(gs)
+        values, warps = TOKEN_DEQUANT
+        tile = _tile(gs, values)
         _int_token_dequantize_kernel[(cdiv(n_groups, tile),)](
             codes, scale, lo, dst, n_groups, GS=gs, BITS=bits, GROUPS=tile, BG=next_pow2(gs), OUT=kind,
-            num_warps=WARPS, **LAUNCH_OPTS,
+            num_warps=warps, **LAUNCH_OPTS,
         )
     return out
 
@@ -245,29 +257,29 @@ def _int_channel_quantize_kernel(
     PER: tl.constexpr = 8 // BITS
     DB: tl.constexpr = D // PER
     tg = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(1)
     t = tl.arange(0, BLOCK_G)[:, None]
     d = tl.arange(0, BD)[None, :]
-    tok = tg * G + t
-    rows = (t < G) & (tok < N)
+    rows = (t < G) & (t < N - tg * G)
     mask = rows & (d < D)
-    x = tl.load(x_ptr + (tok * H + head) * D + d, mask=mask, other=0.0).to(tl.float32)
+    row0 = tg * G * H + head  # (token, head) row of the group's first token; 64-bit for the start only
+    x = tl.load(x_ptr + row0 * D + (t * H) * D + d, mask=mask, other=0.0).to(tl.float32)
 
-    lo = tl.min(tl.where(mask, x, float("inf")), axis=0)
-    hi = tl.max(tl.where(mask, x, float("-inf")), axis=0)
+    lo = tl.reduce(tl.where(mask, x, float("inf")), 0, min_nan_tl)
+    hi = tl.reduce(tl.where(mask, x, float("-inf")), 0, max_nan_tl)
     dd = tl.arange(0, BD)
-    bits = _range_flags_tl(x, tl.where(dd < D, lo, 0.0), tl.where(dd < D, hi, 0.0), HALF)
+    flags = _range_flags_tl(lo, hi, dd < D, HALF)
     scale, lo = _int_params_tl(lo, hi, BITS, HALF)
-    q = _int_encode_tl(x, tl.broadcast_to(scale[None, :], x.shape), lo[None, :], BITS)
+    q = _int_encode_tl(x, recip_tl(scale)[None, :], lo[None, :], BITS)
     j = tl.arange(0, PER)[None, None, :]
     packed = tl.sum(tl.reshape(q, [BLOCK_G, BD // PER, PER]) << (BITS * j), axis=2)
 
     b = tl.arange(0, BD // PER)[None, :]
-    tl.store(code_ptr + (tok * H + head) * DB + b, packed.to(tl.uint8), mask=rows & (b < DB))
+    tl.store(code_ptr + row0 * DB + (t * H) * DB + b, packed.to(tl.uint8), mask=rows & (b < DB))
     soff = (tg * H + head) * D + dd
     tl.store(scale_ptr + soff, scale, mask=dd < D)
     tl.store(lo_ptr + soff, lo, mask=dd < D)
-    set_flag_tl(flag_ptr, bits)
+    set_flag_tl(flag_ptr, flags)
 
 
 @jit
@@ -329,7 +341,7 @@ def int_channel_quantize_triton(
         block_g, bd = next_pow2(token_group), next_pow2(d)
         _int_channel_quantize_kernel[(nt, h)](
             x, codes, scale, lo, flags, n, H=h, D=d, G=token_group, BITS=bits, HALF=scale_dtype == torch.float16,
-            BLOCK_G=block_g, BD=bd, num_warps=WARPS if block_g * bd <= TILE else 2 * WARPS, **LAUNCH_OPTS,
+            BLOCK_G=block_g, BD=bd, num_warps=CHANNEL_QUANT_WARPS, **LAUNCH_OPTS,
         )
     return codes, scale, lo
 
@@ -352,11 +364,12 @@ def int_channel_dequantize_triton(
     out, dst, kind = out_buffer((n, h, d), dtype, codes.device)
     if out.numel():
         bd = next_pow2(d)
-        block_t = min(next_pow2(token_group), _tile(d))
+        values, warps = CHANNEL_DEQUANT
+        block_t = min(next_pow2(token_group), _tile(d, values))
         split = cdiv(token_group, block_t)
         _int_channel_dequantize_kernel[(cdiv(n, token_group) * split, h)](
             codes, scale, lo, dst, n, H=h, D=d, G=token_group, BITS=bits, BLOCK_T=block_t, BD=bd, OUT=kind,
-            num_warps=WARPS, **LAUNCH_OPTS,
+            num_warps=warps, **LAUNCH_OPTS,
         )
     return out
 
@@ -396,9 +409,16 @@ def _check_fp16_range(top: float, bits: int) -> None:
         )
 
 
-def _run_checked(kernel_call, x: torch.Tensor, bits: int):
-    """Run a quantize kernel with an error flag, then raise what the torch path would (one host sync)."""
+def _run_checked(kernel_call, x: torch.Tensor, bits: int, flags: torch.Tensor | None = None):
+    """Run a quantize kernel with an error flag, then raise what the torch path would (one host sync).
+
+    With a caller-owned ``flags`` the errors are only recorded there (no synchronization);
+    :func:`~kvcompose.ops.quant_common.check_flags` raises them later.
+    """
     x = x.detach().contiguous()
+    if flags is not None:
+        check_flag_tensor(flags, x)
+        return kernel_call(x, flags)
     flags = new_flags(x.device)
     out = kernel_call(x, flags)
     raise_on_flags(flags, x, f"int{bits}")
@@ -413,6 +433,7 @@ def int_quantize_tokens(
     group_size: int | None = None,
     scale_dtype: torch.dtype = torch.float16,
     backend: str | None = None,
+    flags: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """INT-k with groups of ``group_size`` channels per token (None: the whole head dim).
 
@@ -428,7 +449,7 @@ def int_quantize_tokens(
     _check_params_static(x, bits, scale_dtype, 1)
     gs = x.shape[-1] if group_size is None else group_size
     if use_triton(x, _int_token_quantize_kernel, backend):
-        return _run_checked(lambda x, f: int_token_quantize_triton(x, bits, gs, scale_dtype, f), x, bits)
+        return _run_checked(lambda x, f: int_token_quantize_triton(x, bits, gs, scale_dtype, f), x, bits, flags)
     _check_params(x, bits, scale_dtype, 1)
     return int_token_quantize_torch(x, bits, gs, scale_dtype)
 
@@ -456,6 +477,7 @@ def int_quantize_channels(
     token_group: int = 32,
     scale_dtype: torch.dtype = torch.float16,
     backend: str | None = None,
+    flags: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """INT-k with one group per channel over ``token_group`` tokens (KIVI keys).
 
@@ -467,7 +489,7 @@ def int_quantize_channels(
     multiple = 8 // bits if bits in BITS else 1
     _check_params_static(x, bits, scale_dtype, multiple)
     if use_triton(x, _int_channel_quantize_kernel, backend):
-        return _run_checked(lambda x, f: int_channel_quantize_triton(x, bits, token_group, scale_dtype, f), x, bits)
+        return _run_checked(lambda x, f: int_channel_quantize_triton(x, bits, token_group, scale_dtype, f), x, bits, flags)
     _check_params(x, bits, scale_dtype, multiple)
     return int_channel_quantize_torch(x, bits, token_group, scale_dtype)
 

@@ -8,7 +8,8 @@ Format, for ``x`` of shape ``[N, H, D]`` with ``D % 16 == 0`` (all arithmetic fp
 - Block scale per 16 consecutive channels of one token and head:
   ``bs = E4M3(block_amax / (s2 * 6))``, saturating at 448. An all-zero block gets
   ``bs = 1``; a non-zero block whose scale rounds to 0 gets 2^-9.
-- Code per value: ``y = x / (bs * s2)`` rounded to the nearest of
+- Code per value: ``y = x * (1 / (bs * s2))`` (the reciprocal once per block, IEEE
+  division; a multiply per value) rounded to the nearest of
   {0, 0.5, 1, 1.5, 2, 3, 4, 6} (with sign), ties to the even code (the one whose
   mantissa bit is 0: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
   3.5 -> 4, 5 -> 4), saturating at 6. A nibble is ``sign << 3 | index``; zero is
@@ -28,13 +29,12 @@ import torch
 
 from .quant_common import (
     LAUNCH_OPTS,
+    abs_bits_tl,
     bad_scale_tl,
+    block_heads_tl,
     block_scale_e4m3,
     block_scale_e4m3_tl,
     cdiv,
-    check_head_scale,
-    check_input,
-    check_shape,
     e2m1_decode,
     e2m1_decode_tl,
     e2m1_encode,
@@ -43,14 +43,14 @@ from .quant_common import (
     e4m3_decode_tl,
     e4m3_encode,
     e4m3_encode_tl,
-    head_amax_triton,
-    head_scale,
     jit,
     new_flags,
-    nonfinite_tl,
+    nonfinite_bits_tl,
     out_buffer,
     pack_codes,
-    raise_on_flags,
+    quantize_two_level,
+    recip_tl,
+    reciprocal,
     set_flag_tl,
     store_out_tl,
     tl,
@@ -61,34 +61,45 @@ from .quant_common import (
 FORMAT = "nvfp4"
 BLOCK = 16
 S2_DIVISOR = 6.0 * 448.0
-TILE_BLOCKS = 128  # 16-value blocks per quantize program (2048 values)
-QUANT_WARPS = 4
-DEQUANT_TILE_BLOCKS = 256  # blocks per dequantize program (4096 values)
+TILE_BLOCKS = 256  # 16-value blocks per quantize program (4096 values)
+QUANT_WARPS = 2
+DEQUANT_TILE_BLOCKS = 1024  # blocks per dequantize program (16384 values)
 DEQUANT_WARPS = 4
+
+
+@jit
+def _nvfp4_pack(x, inv_scale, B: tl.constexpr):
+    """Packed nibbles ``[B, 4]`` of 8 values per row of ``x`` ``[B, 8]`` (elements 2i, 2i + 1 in byte i)."""
+    even, odd = tl.split(tl.reshape(e2m1_encode_tl(x * inv_scale), [B, 4, 2]))
+    return even | (odd << 4)
 
 
 @jit
 def _nvfp4_quantize_kernel(
     x_ptr, s2_ptr, code_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr
 ):
-    # One program per tile of BLOCKS 16-value blocks, viewed as [block, 16].
-    # Blocks are numbered flat over [N, H, D/16], so block b lies in head (b // NB) % H.
-    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    ok = blk < n_blocks
-    s2 = tl.load(s2_ptr + (blk // NB) % H, mask=ok, other=1.0)
-    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
-    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    # One program per tile of BLOCKS 16-value blocks, numbered flat over [N, H, D/16]; 64-bit
+    # offsets for the tile start only. Each block is read as two [block, 8] halves, so one
+    # thread holds a whole block and per-block values ([BLOCKS, 1]) need no exchange between threads.
+    blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
+    b = tl.arange(0, BLOCKS)[:, None]
+    ok = b < n_blocks - blk0
+    offs = blk0 * 16 + b * 16 + tl.arange(0, 8)[None, :]
+    lo = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + offs + 8, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(s2_ptr + block_heads_tl(blk0, b, H, NB), mask=ok, other=1.0)
 
-    block_amax = tl.max(tl.abs(x), axis=1)
+    amax_bits = tl.maximum(tl.max(abs_bits_tl(lo), axis=1, keep_dims=True),
+                           tl.max(abs_bits_tl(hi), axis=1, keep_dims=True))
+    block_amax = amax_bits.to(tl.float32, bitcast=True)
     bs = block_scale_e4m3_tl(tl.div_rn(block_amax, s2 * 6.0), block_amax)
-    code = e2m1_encode_tl(tl.div_rn(x, tl.broadcast_to((bs * s2)[:, None], x.shape)))
-    even, odd = tl.split(tl.reshape(code, [BLOCKS, 8, 2]))  # elements 2i and 2i + 1
-    packed = even | (odd << 4)
+    inv = recip_tl(bs * s2)
 
-    out = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
-    tl.store(code_ptr + out, packed.to(tl.uint8), mask=ok[:, None])
-    tl.store(bs_ptr + blk, e4m3_encode_tl(bs).to(tl.uint8), mask=ok)
-    set_flag_tl(flag_ptr, tl.max(tl.max(nonfinite_tl(x), axis=1), axis=0) | tl.max(bad_scale_tl(s2), axis=0))
+    out = blk0 * 8 + b * 8 + tl.arange(0, 4)[None, :]
+    tl.store(code_ptr + out, _nvfp4_pack(lo, inv, BLOCKS).to(tl.uint8), mask=ok)
+    tl.store(code_ptr + out + 4, _nvfp4_pack(hi, inv, BLOCKS).to(tl.uint8), mask=ok)
+    tl.store(bs_ptr + blk0 + b, e4m3_encode_tl(bs).to(tl.uint8), mask=ok)
+    set_flag_tl(flag_ptr, nonfinite_bits_tl(amax_bits) | bad_scale_tl(s2))
 
 
 @jit
@@ -96,15 +107,18 @@ def _nvfp4_dequantize_kernel(
     code_ptr, bs_ptr, s2_ptr, out_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
     OUT: tl.constexpr,
 ):
-    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    ok = blk < n_blocks
-    s2 = tl.load(s2_ptr + (blk // NB) % H, mask=ok, other=1.0)
-    scale = e4m3_decode_tl(tl.load(bs_ptr + blk, mask=ok, other=0)) * s2
-    src = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
-    packed = tl.load(code_ptr + src, mask=ok[:, None], other=0).to(tl.int32)
-    values = tl.reshape(tl.join(e2m1_decode_tl(packed & 0xF), e2m1_decode_tl(packed >> 4)), [BLOCKS, 16])
-    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
-    store_out_tl(out_ptr + offs, values * scale[:, None], ok[:, None], OUT)
+    blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
+    b = tl.arange(0, BLOCKS)
+    ok = b < n_blocks - blk0
+    s2 = tl.load(s2_ptr + block_heads_tl(blk0, b, H, NB), mask=ok, other=1.0)
+    scale = e4m3_decode_tl(tl.load(bs_ptr + blk0 + b, mask=ok, other=0)) * s2
+    src = b[:, None] * 8 + tl.arange(0, 8)[None, :]
+    packed = tl.load(code_ptr + blk0 * 8 + src, mask=ok[:, None], other=0).to(tl.int32)
+    # byte i holds elements 2i (low nibble) and 2i + 1: shift each byte twice, then flatten
+    nibbles = (packed[:, :, None] >> (4 * tl.arange(0, 2))[None, None, :]) & 0xF
+    values = e2m1_decode_tl(tl.reshape(nibbles, [BLOCKS, 16]))
+    offs = b[:, None] * 16 + tl.arange(0, 16)[None, :]
+    store_out_tl(out_ptr + blk0 * 16 + offs, values * scale[:, None], ok[:, None], OUT)
 
 
 def nvfp4_quantize_torch(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +128,7 @@ def nvfp4_quantize_torch(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tenso
     s2 = s2[None, :, None]
     block_amax = xb.abs().amax(dim=-1)
     bs = block_scale_e4m3(block_amax / (s2 * 6.0), block_amax)
-    codes = e2m1_encode(xb / (bs * s2)[..., None])
+    codes = e2m1_encode(xb * reciprocal(bs * s2)[..., None])
     return pack_codes(codes.reshape(n, h, d), 4), e4m3_encode(bs)
 
 
@@ -164,29 +178,18 @@ def nvfp4_dequantize_triton(
 
 
 def nvfp4_quantize(
-    x: torch.Tensor, s2: torch.Tensor | None = None, backend: str | None = None
+    x: torch.Tensor, s2: torch.Tensor | None = None, backend: str | None = None, flags: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``[N, H, D]`` to NVFP4; returns ``(codes, block_scales, s2)``.
 
     ``s2`` fixes the per-head second-level scale; by default it is computed from ``x``.
     ``backend``: None (auto), "triton", "torch". NaN/inf input or an ``s2`` that is
-    not finite and > 0 raise a ValueError.
+    not finite and > 0 raise a ValueError, at once, or with ``flags`` (kernel path)
+    later through :func:`~kvcompose.ops.quant_common.check_flags`.
     """
-    check_shape(x, FORMAT, head_dim_multiple=BLOCK)
-    if not use_triton(x, _nvfp4_quantize_kernel, backend):
-        amax = check_input(x, FORMAT, head_dim_multiple=BLOCK)
-        s2 = head_scale(amax, S2_DIVISOR) if s2 is None else check_head_scale(s2, x, FORMAT)
-        codes, bs = nvfp4_quantize_torch(x, s2)
-        return codes, bs, s2
-    x = x.detach().contiguous()
-    if s2 is None:
-        amax, flags = head_amax_triton(x)
-        s2 = head_scale(amax, S2_DIVISOR)
-    else:
-        s2 = check_head_scale(s2, x, FORMAT, values=x.numel() == 0)
-        flags = new_flags(x.device)
-    codes, bs = nvfp4_quantize_triton(x, s2, flags)
-    raise_on_flags(flags, x, FORMAT, s2)
+    (codes, bs), s2 = quantize_two_level(x, s2, backend, flags, fmt=FORMAT, divisor=S2_DIVISOR, multiple=BLOCK,
+                                         kernel=_nvfp4_quantize_kernel, reference=nvfp4_quantize_torch,
+                                         launch=nvfp4_quantize_triton)
     return codes, bs, s2
 
 

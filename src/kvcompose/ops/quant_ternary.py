@@ -10,17 +10,19 @@ Format, for ``x`` of shape ``[N, H, D]`` with ``D % 16 == 0`` (all arithmetic fp
   ``alpha = mean_S(a)``, so the rule picks the S (a "largest k" set, k = 1..16)
   that maximises ``(sum_S a)^2 / |S|``. To make that exact and independent of
   summation order, magnitudes are measured in fixed point first:
-  ``u_i = trunc(a_i / block_amax * 2^20)`` (int32; sums of 16 are exact).
-  Candidate ``j`` is ``S_j = {i : u_i >= u_j}`` with score
-  ``fp32(sum_Sj u)^2 / |S_j|``; the best score wins, ties go to the largest
-  threshold ``u_j`` (fewest non-zeros). Then
+  ``u_i = floor(a_i * (2^20 / block_amax))`` (the reciprocal once per block, IEEE
+  division; integers held in fp32, whose sums of 16 are exact). Candidate ``j`` is
+  ``S_j = {i : u_i >= u_j}`` with score ``fp32(sum_Sj u)^2 * fp32(1 / |S_j|)`` (a
+  multiply by the rounded reciprocal of the count, so no division per candidate); the
+  best score wins, ties go to the largest threshold ``u_j`` (fewest non-zeros). Then
   ``alpha = sum_S u / (|S| * 2^20) * block_amax`` and
   ``bs = E4M3(alpha / s2)`` (saturating; all-zero block -> 1; a non-zero block
   whose scale rounds to 0 -> 2^-9). Compared with the usual fixed-threshold rule
   (threshold 0.7 * mean|x|) this matters most for outliers: a block with one large
   value codes that value alone instead of inflating the scale of the others.
-- Code: ``y = x / (bs * s2)``; ``+1`` if ``y > 0.5``, ``-1`` if ``y < -0.5``,
-  else 0 (nearest level, ties to 0).
+- Code: with ``m = (bs * s2) * 0.5``, the midpoint between the levels 0 and
+  ``bs * s2``: ``+1`` if ``x > m``, ``-1`` if ``x < -m``, else 0 (nearest level,
+  ties to 0, decided on ``x`` itself, so no division or rounding enters).
 - Storage: 2-bit codes 0 -> 0, 1 -> +1, 2 -> -1, 3 -> 0 (redundant, never written),
   four per byte with element ``4i`` in the lowest bits (``codes`` uint8
   ``[N, H, D/4]``); block scales as E4M3 bit patterns (uint8 ``[N, H, D/16]``);
@@ -38,25 +40,22 @@ import torch
 from .quant_common import (
     E4M3_MAX,
     LAUNCH_OPTS,
+    abs_bits_tl,
     bad_scale_tl,
+    block_heads_tl,
     block_scale_e4m3,
     block_scale_e4m3_tl,
     cdiv,
-    check_head_scale,
-    check_input,
-    check_shape,
     e4m3_decode,
     e4m3_decode_tl,
     e4m3_encode,
     e4m3_encode_tl,
-    head_amax_triton,
-    head_scale,
     jit,
     new_flags,
-    nonfinite_tl,
+    nonfinite_bits_tl,
     out_buffer,
     pack_codes,
-    raise_on_flags,
+    quantize_two_level,
     set_flag_tl,
     store_out_tl,
     tl,
@@ -67,9 +66,10 @@ from .quant_common import (
 FORMAT = "ternary"
 BLOCK = 16
 FIXED_ONE = 1048576.0  # 2^20: fixed-point unit of a magnitude relative to its block max
+COUNT_RECIPROCALS = [1.0 / k for k in range(1, BLOCK + 1)]  # fp32(1 / |S|) of the scores
 QUANT_TILE = 128  # blocks per quantize program
 QUANT_WARPS = 4
-DEQUANT_TILE = 256  # blocks per dequantize program: 4096 values
+DEQUANT_TILE = 512  # blocks per dequantize program: 8192 values
 DEQUANT_WARPS = 4
 
 
@@ -78,79 +78,58 @@ def ternary_block_scale(x: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     a = x.abs()
     block_amax = a.amax(dim=-1)
     safe = torch.where(block_amax > 0, block_amax, torch.ones_like(block_amax))
-    u = (a / safe[..., None] * FIXED_ONE).to(torch.int32)
+    u = torch.floor(a * (torch.full_like(safe, FIXED_ONE) / safe)[..., None])
     ge = u[..., :, None] >= u[..., None, :]  # [..., i, j]: element i belongs to candidate set j
-    count = ge.sum(dim=-2).to(torch.float32)
-    total = (u[..., :, None] * ge).sum(dim=-2).to(torch.float32)
-    score = total * total / count
+    count = ge.sum(dim=-2)
+    total = (u[..., :, None] * ge).sum(dim=-2)  # integers below 2^24: exact in any order
+    rcp = torch.tensor(COUNT_RECIPROCALS, dtype=torch.float32, device=x.device)
+    score = total * total * rcp[count - 1]
     best = score.amax(dim=-1, keepdim=True)
-    threshold = torch.where(score == best, u, torch.full_like(u, -1)).amax(dim=-1, keepdim=True)
+    threshold = torch.where(score == best, u, torch.full_like(u, -1.0)).amax(dim=-1, keepdim=True)
     chosen = u >= threshold
     n_sel = chosen.sum(dim=-1).to(torch.float32)
-    s_sel = (u * chosen).sum(dim=-1).to(torch.float32)
+    s_sel = (u * chosen).sum(dim=-1)
     alpha = s_sel / (n_sel * FIXED_ONE) * block_amax
     return block_scale_e4m3(alpha / s2[None, :, None], block_amax)
 
 
 # ---------------------------------------------------------------------------
-# Kernel scale search. Candidate set S_j = {i : u_i >= u_j} is the "largest k"
-# set whose k is the last position of u_j's tie group in the descending order.
-# So: sort each block's 16 magnitudes (a sorting network on 16 columns), prefix
-# sums give every candidate's total, the last member of each tie group marks the
-# distinct candidates, and the best score with the smallest k (largest threshold)
-# wins. Totals, counts and scores are the very numbers the reference computes
-# (exact int32 sums, the same fp32 multiply and IEEE division), so the result is
-# identical; the work is 63 compare-exchanges per block instead of 16 x 16.
+# Kernel scale search. Candidate set S_j = {i : u_i >= u_j} is the "largest k" set
+# whose k is the last position of u_j's tie group in the descending order. So: sort
+# each block's 16 magnitudes (a sorting network on 16 column vectors), walk the
+# prefix sums, and keep the best score among the positions that end a tie group,
+# the smaller k on equal scores. Each block lies in one thread (two [B, 8] halves
+# split into columns in registers), so the network is plain elementwise min/max.
+# Totals, counts and scores are the very numbers the reference computes (exact sums,
+# the same fp32 multiplies), so the result is identical.
 
 
 @jit
-def _halves(v, B: tl.constexpr, W: tl.constexpr):
-    """Columns ``0, 2, 4, ...`` and ``1, 3, 5, ...`` of ``v`` ``[B, W]``."""
-    return tl.split(tl.reshape(v, [B, W // 2, 2]))
+def _columns(v, B: tl.constexpr):
+    """The 8 columns of ``v`` ``[B, 8]`` as ``[B]`` vectors, in the order 0, 4, 2, 6, 1, 5, 3, 7."""
+    even, odd = tl.split(tl.reshape(v, [B, 4, 2]))
+    e0, e1 = tl.split(tl.reshape(even, [B, 2, 2]))
+    o0, o1 = tl.split(tl.reshape(odd, [B, 2, 2]))
+    c0, c4 = tl.split(e0)
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c4, c2, c6, c1, c5, c3, c7
 
 
 @jit
-def _join16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, B: tl.constexpr):
-    """``[B, 16]`` whose column k is ``ck`` (``[B]`` each)."""
-    a0 = tl.reshape(tl.join(c0, c8), [B, 2])
-    a1 = tl.reshape(tl.join(c1, c9), [B, 2])
-    a2 = tl.reshape(tl.join(c2, c10), [B, 2])
-    a3 = tl.reshape(tl.join(c3, c11), [B, 2])
-    a4 = tl.reshape(tl.join(c4, c12), [B, 2])
-    a5 = tl.reshape(tl.join(c5, c13), [B, 2])
-    a6 = tl.reshape(tl.join(c6, c14), [B, 2])
-    a7 = tl.reshape(tl.join(c7, c15), [B, 2])
-    b0 = tl.reshape(tl.join(a0, a4), [B, 4])
-    b1 = tl.reshape(tl.join(a1, a5), [B, 4])
-    b2 = tl.reshape(tl.join(a2, a6), [B, 4])
-    b3 = tl.reshape(tl.join(a3, a7), [B, 4])
-    d0 = tl.reshape(tl.join(b0, b2), [B, 8])
-    d1 = tl.reshape(tl.join(b1, b3), [B, 8])
-    return tl.reshape(tl.join(d0, d1), [B, 16])
+def _keep_best(best, k_best, s_best, total, k: tl.constexpr, ends):
+    """Candidate ``k`` (its prefix sum ``total``) replaces the best if it ends a tie group and scores higher."""
+    score = total * total * (1.0 / k)
+    take = ends & (score > best)
+    return tl.where(take, score, best), tl.where(take, k * 1.0, k_best), tl.where(take, total, s_best)
 
 
 @jit
-def _ternary_scale_search(u, B: tl.constexpr):
-    """``(k, sum)`` of the best "largest k" set of each row of ``u`` ``[B, 16]`` (int32 fixed-point magnitudes)."""
-    h0, h1 = _halves(u, B, 16)
-    q0, q1 = _halves(h0, B, 8)
-    q2, q3 = _halves(h1, B, 8)
-    e0, e1 = _halves(q0, B, 4)
-    e2, e3 = _halves(q1, B, 4)
-    e4, e5 = _halves(q2, B, 4)
-    e6, e7 = _halves(q3, B, 4)
-    c0, c1 = _halves(e0, B, 2)
-    c2, c3 = _halves(e1, B, 2)
-    c4, c5 = _halves(e2, B, 2)
-    c6, c7 = _halves(e3, B, 2)
-    c8, c9 = _halves(e4, B, 2)
-    c10, c11 = _halves(e5, B, 2)
-    c12, c13 = _halves(e6, B, 2)
-    c14, c15 = _halves(e7, B, 2)
-    c0, c1, c2, c3 = tl.reshape(c0, [B]), tl.reshape(c1, [B]), tl.reshape(c2, [B]), tl.reshape(c3, [B])
-    c4, c5, c6, c7 = tl.reshape(c4, [B]), tl.reshape(c5, [B]), tl.reshape(c6, [B]), tl.reshape(c7, [B])
-    c8, c9, c10, c11 = tl.reshape(c8, [B]), tl.reshape(c9, [B]), tl.reshape(c10, [B]), tl.reshape(c11, [B])
-    c12, c13, c14, c15 = tl.reshape(c12, [B]), tl.reshape(c13, [B]), tl.reshape(c14, [B]), tl.reshape(c15, [B])
+def _ternary_scale_search(lo, hi, B: tl.constexpr):
+    """``(k, sum)`` of the best "largest k" set of each block; ``lo``/``hi``: its 16 magnitudes as two ``[B, 8]``."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = _columns(lo, B)  # the network sorts any order of its inputs
+    c8, c9, c10, c11, c12, c13, c14, c15 = _columns(hi, B)
     # Batcher's odd-even merge sort of 16 (63 compare-exchanges), descending.
     c0, c1 = tl.maximum(c0, c1), tl.minimum(c0, c1)
     c2, c3 = tl.maximum(c2, c3), tl.minimum(c2, c3)
@@ -215,78 +194,95 @@ def _ternary_scale_search(u, B: tl.constexpr):
     c9, c10 = tl.maximum(c9, c10), tl.minimum(c9, c10)
     c11, c12 = tl.maximum(c11, c12), tl.minimum(c11, c12)
     c13, c14 = tl.maximum(c13, c14), tl.minimum(c13, c14)
-    s = _join16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, B)
-    # 1 where position k ends a tie group (the next value is smaller): a distinct candidate set.
-    ends = _join16(
-        (c0 != c1).to(tl.int32), (c1 != c2).to(tl.int32), (c2 != c3).to(tl.int32), (c3 != c4).to(tl.int32),
-        (c4 != c5).to(tl.int32), (c5 != c6).to(tl.int32), (c6 != c7).to(tl.int32), (c7 != c8).to(tl.int32),
-        (c8 != c9).to(tl.int32), (c9 != c10).to(tl.int32), (c10 != c11).to(tl.int32), (c11 != c12).to(tl.int32),
-        (c12 != c13).to(tl.int32), (c13 != c14).to(tl.int32), (c14 != c15).to(tl.int32), (c15 == c15).to(tl.int32),
-        B,
-    )
-    total = tl.cumsum(s, axis=1)
-    k = tl.broadcast_to((tl.arange(0, 16) + 1)[None, :], [B, 16])
-    tf = total.to(tl.float32)
-    score = tl.where(ends != 0, tl.div_rn(tf * tf, k.to(tl.float32)), -1.0)
-    best = tl.max(score, axis=1)
-    k_best = tl.min(tl.where(score == best[:, None], k, 17), axis=1)
-    s_best = tl.sum(tl.where(k == k_best[:, None], total, 0), axis=1)
+    best = tl.full(c0.shape, -1.0, tl.float32)
+    k_best = tl.zeros(c0.shape, tl.float32)
+    s_best = tl.zeros(c0.shape, tl.float32)
+    total = c0
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 1, c0 != c1)
+    total += c1
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 2, c1 != c2)
+    total += c2
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 3, c2 != c3)
+    total += c3
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 4, c3 != c4)
+    total += c4
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 5, c4 != c5)
+    total += c5
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 6, c5 != c6)
+    total += c6
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 7, c6 != c7)
+    total += c7
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 8, c7 != c8)
+    total += c8
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 9, c8 != c9)
+    total += c9
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 10, c9 != c10)
+    total += c10
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 11, c10 != c11)
+    total += c11
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 12, c11 != c12)
+    total += c12
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 13, c12 != c13)
+    total += c13
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 14, c13 != c14)
+    total += c14
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 15, c14 != c15)
+    total += c15
+    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 16, c15 == c15)
     return k_best, s_best
 
 
 @jit
-def _ternary_quantize_kernel(
-    x_ptr, s2_ptr, code_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr
-):
-    # One program per tile of BLOCKS 16-value blocks, numbered flat over [N, H, D/16], viewed as [block, 16].
-    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    ok = blk < n_blocks
-    s2 = tl.load(s2_ptr + (blk // NB) % H, mask=ok, other=1.0)
-    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
-    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-    a = tl.abs(x)
+def _ternary_codes(x, half, B: tl.constexpr):
+    """16-bit word per block of the 2-bit codes of ``x`` ``[B, 8]`` (element j in bits 2j, 2j + 1)."""
+    code = tl.where(x > half[:, None], 1, tl.where(x < 0.0 - half[:, None], 2, 0))
+    return tl.sum(code << (2 * tl.arange(0, 8))[None, :], axis=1)
 
-    block_amax = tl.max(a, axis=1)
-    safe = tl.where(block_amax > 0, block_amax, 1.0)
-    u = (tl.div_rn(a, tl.broadcast_to(safe[:, None], a.shape)) * 1048576.0).to(tl.int32)
-    n_sel, s_sel = _ternary_scale_search(u, BLOCKS)
-    alpha = tl.div_rn(s_sel.to(tl.float32), n_sel.to(tl.float32) * 1048576.0) * block_amax
+
+@jit
+def _ternary_quantize_kernel(
+    x_ptr, s2_ptr, word_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr
+):
+    # One program per tile of BLOCKS 16-value blocks, numbered flat over [N, H, D/16], each
+    # loaded as two [block, 8] halves; the codes of a block are one int32 word.
+    blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
+    b = tl.arange(0, BLOCKS)
+    ok = b < n_blocks - blk0
+    s2 = tl.load(s2_ptr + block_heads_tl(blk0, b, H, NB), mask=ok, other=1.0)
+    offs = blk0 * 16 + b[:, None] * 16 + tl.arange(0, 8)[None, :]
+    lo = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + offs + 8, mask=ok[:, None], other=0.0).to(tl.float32)
+
+    amax_bits = tl.maximum(tl.max(abs_bits_tl(lo), axis=1), tl.max(abs_bits_tl(hi), axis=1))
+    block_amax = amax_bits.to(tl.float32, bitcast=True)
+    r = tl.div_rn(tl.full(block_amax.shape, 1048576.0, tl.float32), tl.where(block_amax > 0, block_amax, 1.0))
+    n_sel, s_sel = _ternary_scale_search(tl.floor(tl.abs(lo) * r[:, None]), tl.floor(tl.abs(hi) * r[:, None]), BLOCKS)
+    alpha = tl.div_rn(s_sel, n_sel * 1048576.0) * block_amax
     bs = block_scale_e4m3_tl(tl.div_rn(alpha, s2), block_amax)
 
-    y = tl.div_rn(x, tl.broadcast_to((bs * s2)[:, None], x.shape))
-    code = tl.where(y > 0.5, 1, tl.where(y < -0.5, 2, 0))
-    packed = tl.sum(tl.reshape(code, [BLOCKS, 4, 4]) << (2 * tl.arange(0, 4))[None, None, :], axis=2)
-
-    out = blk[:, None] * 4 + tl.arange(0, 4)[None, :]
-    tl.store(code_ptr + out, packed.to(tl.uint8), mask=ok[:, None])
-    tl.store(bs_ptr + blk, e4m3_encode_tl(bs).to(tl.uint8), mask=ok)
-    set_flag_tl(flag_ptr, tl.max(tl.max(nonfinite_tl(x), axis=1), axis=0) | tl.max(bad_scale_tl(s2), axis=0))
+    half = (bs * s2) * 0.5
+    word = _ternary_codes(lo, half, BLOCKS) | (_ternary_codes(hi, half, BLOCKS) << 16)
+    tl.store(word_ptr + blk0 + b, word, mask=ok)
+    tl.store(bs_ptr + blk0 + b, e4m3_encode_tl(bs).to(tl.uint8), mask=ok)
+    set_flag_tl(flag_ptr, nonfinite_bits_tl(amax_bits) | bad_scale_tl(s2))
 
 
 @jit
 def _ternary_dequantize_kernel(
-    code_ptr, bs_ptr, s2_ptr, out_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
+    word_ptr, bs_ptr, s2_ptr, out_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
     OUT: tl.constexpr,
 ):
-    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    ok = blk < n_blocks
-    s2 = tl.load(s2_ptr + (blk // NB) % H, mask=ok, other=1.0)
-    scale = e4m3_decode_tl(tl.load(bs_ptr + blk, mask=ok, other=0)) * s2
-    src = blk[:, None] * 4 + tl.arange(0, 4)[None, :]
-    packed = tl.load(code_ptr + src, mask=ok[:, None], other=0).to(tl.int32)
-    l0 = _level(packed & 3)
-    l1 = _level((packed >> 2) & 3)
-    l2 = _level((packed >> 4) & 3)
-    l3 = _level((packed >> 6) & 3)
-    # [block, byte, 2, 2] with element byte * 4 + 2 * i + j = slot 2i + j, then flat [block, 16].
-    level = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), [BLOCKS, 16])
-    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
-    store_out_tl(out_ptr + offs, level * scale[:, None], ok[:, None], OUT)
-
-
-@jit
-def _level(code):
-    return (code == 1).to(tl.float32) - (code == 2).to(tl.float32)
+    blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
+    b = tl.arange(0, BLOCKS)
+    ok = b < n_blocks - blk0
+    s2 = tl.load(s2_ptr + block_heads_tl(blk0, b, H, NB), mask=ok, other=1.0)
+    scale = e4m3_decode_tl(tl.load(bs_ptr + blk0 + b, mask=ok, other=0)) * s2
+    word = tl.load(word_ptr + blk0 + b, mask=ok, other=0)
+    code = (word[:, None] >> (2 * tl.arange(0, 16))[None, :]) & 3
+    neg = (scale.to(tl.int32, bitcast=True) | (-2147483647 - 1)).to(tl.float32, bitcast=True)  # -scale, sign bit set
+    value = tl.where(code == 1, scale[:, None], tl.where(code == 2, neg[:, None], 0.0))
+    offs = b[:, None] * 16 + tl.arange(0, 16)[None, :]
+    store_out_tl(out_ptr + blk0 * 16 + offs, value, ok[:, None], OUT)
 
 
 def ternary_quantize_torch(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,8 +290,8 @@ def ternary_quantize_torch(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Ten
     n, h, d = x.shape
     xb = x.to(torch.float32).reshape(n, h, d // BLOCK, BLOCK)
     bs = ternary_block_scale(xb, s2)
-    y = xb / (bs * s2[None, :, None])[..., None]
-    codes = torch.where(y > 0.5, 1, torch.where(y < -0.5, 2, 0))
+    half = ((bs * s2[None, :, None]) * 0.5)[..., None]
+    codes = torch.where(xb > half, 1, torch.where(xb < -half, 2, 0))
     return pack_codes(codes.reshape(n, h, d), 2), e4m3_encode(bs)
 
 
@@ -313,7 +309,7 @@ def ternary_quantize_triton(
         n_blocks = n * h * nb
         grid = (cdiv(n_blocks, QUANT_TILE),)
         _ternary_quantize_kernel[grid](
-            x, s2, codes, bs, flags, n_blocks, H=h, NB=nb, BLOCKS=QUANT_TILE, num_warps=QUANT_WARPS, **LAUNCH_OPTS
+            x, s2, codes.view(torch.int32), bs, flags, n_blocks, H=h, NB=nb, BLOCKS=QUANT_TILE, num_warps=QUANT_WARPS, **LAUNCH_OPTS
         )
     return codes, bs
 
@@ -339,36 +335,25 @@ def ternary_dequantize_triton(
         n_blocks = n * h * nb
         grid = (cdiv(n_blocks, DEQUANT_TILE),)
         _ternary_dequantize_kernel[grid](
-            codes, block_scales, s2, dst, n_blocks, H=h, NB=nb, BLOCKS=DEQUANT_TILE, OUT=kind,
+            codes.view(torch.int32), block_scales, s2, dst, n_blocks, H=h, NB=nb, BLOCKS=DEQUANT_TILE, OUT=kind,
             num_warps=DEQUANT_WARPS, **LAUNCH_OPTS,
         )
     return out
 
 
 def ternary_quantize(
-    x: torch.Tensor, s2: torch.Tensor | None = None, backend: str | None = None
+    x: torch.Tensor, s2: torch.Tensor | None = None, backend: str | None = None, flags: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``[N, H, D]`` to ternary; returns ``(codes, block_scales, s2)``.
 
     ``s2`` fixes the per-head scale; by default it is computed from ``x``.
     ``backend``: None (auto), "triton", "torch". NaN/inf input or an ``s2`` that is
-    not finite and > 0 raise a ValueError.
+    not finite and > 0 raise a ValueError, at once, or with ``flags`` (kernel path)
+    later through :func:`~kvcompose.ops.quant_common.check_flags`.
     """
-    check_shape(x, FORMAT, head_dim_multiple=BLOCK)
-    if not use_triton(x, _ternary_quantize_kernel, backend):
-        amax = check_input(x, FORMAT, head_dim_multiple=BLOCK)
-        s2 = head_scale(amax, E4M3_MAX) if s2 is None else check_head_scale(s2, x, FORMAT)
-        codes, bs = ternary_quantize_torch(x, s2)
-        return codes, bs, s2
-    x = x.detach().contiguous()
-    if s2 is None:
-        amax, flags = head_amax_triton(x)
-        s2 = head_scale(amax, E4M3_MAX)
-    else:
-        s2 = check_head_scale(s2, x, FORMAT, values=x.numel() == 0)
-        flags = new_flags(x.device)
-    codes, bs = ternary_quantize_triton(x, s2, flags)
-    raise_on_flags(flags, x, FORMAT, s2)
+    (codes, bs), s2 = quantize_two_level(x, s2, backend, flags, fmt=FORMAT, divisor=E4M3_MAX, multiple=BLOCK,
+                                         kernel=_ternary_quantize_kernel, reference=ternary_quantize_torch,
+                                         launch=ternary_quantize_triton)
     return codes, bs, s2
 
 

@@ -34,6 +34,10 @@ class SlotCodec:
         """Per-slot tensors ``[N, S, ...]`` of ``N`` whole blocks → keys, values ``[N, S, H, D]``."""
         raise NotImplementedError  # pragma: no cover - interface
 
+    def check_errors(self) -> None:
+        """Raise for bad input that earlier :meth:`encode` calls only recorded (formats that check
+        on the device defer the check so that encoding never waits for the GPU); default: none."""
+
     def row_scale_layout(self, heads: int) -> dict[str, int]:
         """Per-sequence scales the store keeps (``{name: heads}``), fixed at a sequence's first encode."""
         return {}

@@ -256,6 +256,11 @@ class LayerStore:
         """Live tokens per row (``[B]``)."""
         return sum(r.live_tokens() for r in self.regions) + self.buf_len
 
+    def check_errors(self) -> None:
+        """Raise for bad keys/values that encoding recorded on the device (see :meth:`SlotCodec.check_errors`)."""
+        for pool in self.pools.values():
+            pool.codec.check_errors()
+
     def memory(self) -> dict[str, int]:
         """Bytes this layer holds, split by what they are for."""
         pools = self.pools.values()

@@ -86,12 +86,18 @@ class Quantizer:
         role: str | None = None,
         head_scale: torch.Tensor | None = None,
         backend: str | None = None,
+        flags: torch.Tensor | None = None,
     ) -> Packed:  # pragma: no cover - interface
         """Quantize ``x`` ``[N, H, D]``.
 
         ``role`` ("key"/"value") matters only for layouts that treat keys and values
         differently. ``head_scale`` ``[H]`` fixes the per-head scale of two-level
         formats (default: computed from ``x``). ``backend``: None (auto), "triton", "torch".
+        Bad input (NaN/inf, a bad head scale) raises a ValueError at once, which costs the
+        kernel path one host synchronization; pass ``flags`` (a one-element int32 tensor from
+        :func:`kvcompose.ops.quant_common.new_flags`) to have the kernels only record errors
+        there, without synchronizing (so the call can be captured in a CUDA graph), and raise
+        them later with :func:`kvcompose.ops.quant_common.check_flags`.
         """
         raise NotImplementedError
 

@@ -43,16 +43,16 @@ class BlockScaledQuantizer(Quantizer):
 
     code_bits: int = 0
     packed_type: type = BlockScaledPacked
-    quantize_op = None  # staticmethod: (x, s2, backend=) -> (codes, block_scales, s2)
+    quantize_op = None  # staticmethod: (x, s2, backend=, flags=) -> (codes, block_scales, s2)
     dequantize_op = None  # staticmethod: (codes, block_scales, s2, dtype, backend=) -> x
 
     @property
     def bits_per_value(self) -> float:
         return self.code_bits + 8.0 / BLOCK
 
-    def quantize(self, x, *, role=None, head_scale=None, backend=None):
+    def quantize(self, x, *, role=None, head_scale=None, backend=None, flags=None):
         check_role(role)
-        codes, block_scales, s2 = self.quantize_op(x, head_scale, backend=backend)
+        codes, block_scales, s2 = self.quantize_op(x, head_scale, backend=backend, flags=flags)
         return self.packed_type(codes, block_scales, s2, x.dtype)
 
     def dequantize(self, packed, dtype=None, *, backend=None) -> torch.Tensor:

@@ -21,6 +21,7 @@ import json
 
 import torch
 
+from ..ops.quant_common import check_flags, flag_bits, new_flags
 from ..paging.codec import SlotCodec
 from ..registry import to_config
 from .base import Quantizer
@@ -38,6 +39,7 @@ class QuantCodec(SlotCodec):
         self.group_tokens = getattr(quantizer, "token_group", 1) if not quantizer.slot_local else 1
         self.slot_local = quantizer.slot_local
         self.heads, self.head_dim = num_kv_heads, head_dim
+        self._flags: torch.Tensor | None = None
         self._probe(device)
 
     # -------------------------------------------------------------- the probe
@@ -87,6 +89,17 @@ class QuantCodec(SlotCodec):
         return out
 
     # ---------------------------------------------------------- encode/decode
+    def _error_flags(self, device) -> torch.Tensor:
+        """The device flag every encode ORs its errors into (no host synchronization per encode)."""
+        if self._flags is None or self._flags.device != torch.device(device):
+            self._flags = new_flags(device)
+        return self._flags
+
+    def check_errors(self) -> None:
+        if self._flags is not None and flag_bits(self._flags):
+            flags, self._flags = self._flags, None
+            check_flags(flags, f"{self.quantizer.name} encode")
+
     def encode(self, keys, values, row_scales):
         slots, groups = {}, {}
         for role, x in (("key", keys), ("value", values)):
@@ -96,7 +109,8 @@ class QuantCodec(SlotCodec):
             if self.two_level:
                 x = x.float() / row_scales[prefix][:, :, None]
                 head_scale = next(v for k, v in fields.values() if k == "head").to(x.device)
-            packed = self.quantizer.quantize(x, role=role, head_scale=head_scale)
+            flags = self._error_flags(x.device) if x.is_cuda else None  # CPU: checked at once anyway
+            packed = self.quantizer.quantize(x, role=role, head_scale=head_scale, flags=flags)
             for name, (kind, _) in fields.items():
                 if kind == "slot":
                     slots[f"{prefix}.{name}"] = getattr(packed, name)

@@ -42,9 +42,9 @@ class FP8Quantizer(Quantizer):
     def bits_per_value(self) -> float:
         return 8.0
 
-    def quantize(self, x, *, role=None, head_scale=None, backend=None) -> FP8Packed:
+    def quantize(self, x, *, role=None, head_scale=None, backend=None, flags=None) -> FP8Packed:
         check_role(role)
-        codes, scale = fp8_quantize(x, head_scale, backend=backend)
+        codes, scale = fp8_quantize(x, head_scale, backend=backend, flags=flags)
         return FP8Packed(codes, scale, x.dtype)
 
     def dequantize(self, packed, dtype=None, *, backend=None) -> torch.Tensor:

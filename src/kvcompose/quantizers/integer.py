@@ -119,7 +119,7 @@ class IntQuantizer(Quantizer):
             return token
         return (self.bits + overhead / self.token_group + token) / 2
 
-    def quantize(self, x, *, role=None, head_scale=None, backend=None) -> IntPacked:
+    def quantize(self, x, *, role=None, head_scale=None, backend=None, flags=None) -> IntPacked:
         check_role(role)
         if head_scale is not None:
             raise ValueError("int quantizer has no per-head scale; head_scale must be None")
@@ -130,9 +130,9 @@ class IntQuantizer(Quantizer):
             )
         sdt = _SCALE_DTYPES[self.scale_dtype]
         if self.layout == "kivi" and role == "key":
-            codes, scale, lo = int_quantize_channels(x, self.bits, self.token_group, sdt, backend=backend)
+            codes, scale, lo = int_quantize_channels(x, self.bits, self.token_group, sdt, backend=backend, flags=flags)
             return IntPacked(codes, scale, lo, self.bits, "channel", self.token_group, x.dtype)
-        codes, scale, lo = int_quantize_tokens(x, self.bits, self.group_size, sdt, backend=backend)
+        codes, scale, lo = int_quantize_tokens(x, self.bits, self.group_size, sdt, backend=backend, flags=flags)
         return IntPacked(codes, scale, lo, self.bits, "token", self.token_group, x.dtype)
 
     def dequantize(self, packed, dtype=None, *, backend=None) -> torch.Tensor:
