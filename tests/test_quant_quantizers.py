@@ -185,3 +185,29 @@ def test_caller_flags_defer_the_error_to_check_flags(q, bad):
         check_flags(flags, "test")
     with pytest.raises(ValueError, match=r"flags must be a one-element int32 tensor on cpu .* got torch.int64"):
         q.quantize(x, role="key", flags=torch.zeros(1, dtype=torch.int64))
+
+
+def _bad_value_in_every_position(device):
+    """With the head scale fixed only the quantize kernel sees the values: a NaN or inf anywhere
+    in a block, group or row (first/last element, either half of a 16-value block) is caught."""
+    quantizers = [FP8Quantizer(), NVFP4Quantizer(), TernaryQuantizer(), IntQuantizer(bits=4),
+                  IntQuantizer(bits=2, layout="kivi", token_group=4)]
+    for q in quantizers:
+        x = x_of(torch.float32).to(device)
+        hs = q.quantize(x, role="key").head_scale
+        for pos in (0, 7, 8, 15, D - 1):
+            for bad in (float("nan"), float("-inf")):
+                y = x.clone()
+                y[N - 1, H - 1, pos] = bad
+                with pytest.raises(ValueError, match="NaN/inf"):
+                    q.quantize(y, role="key", head_scale=hs)
+
+
+def test_bad_value_in_every_position_is_caught():
+    _bad_value_in_every_position("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bad_value_in_every_position_is_caught_cuda():
+    _bad_value_in_every_position("cuda")

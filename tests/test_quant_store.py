@@ -132,3 +132,25 @@ def test_shared_scale_formats_refuse_eviction():
     with pytest.raises(ValueError, match="cannot be compacted after eviction"):
         Policy.from_preset("streamingllm", precision={"all": {"name": "int", "layout": "kivi"}},
                            group_size=32, block_size=32)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "kivi2"])
+def test_bad_values_are_recorded_at_encode_and_raised_by_check_errors(fmt):
+    """Encoding does not wait for the device to say whether its input was finite: the store
+    raises at its next check (the cache checks once per forward pass)."""
+    from kvcompose.ops.quant_common import interpreted
+    from kvcompose.ops.quant_fp8 import _fp8_quantize_kernel
+
+    if not interpreted(_fp8_quantize_kernel):
+        pytest.skip("kernels were defined without TRITON_INTERPRET=1")
+    policy = Policy.from_preset(fmt) if fmt == "kivi2" else Policy(precision={"all": fmt}, group_size=4, block_size=8)
+    store = _store(policy, batch=1)
+    k, v = _tokens(1, 300)
+    store.append(k, v)
+    store.check_errors()  # finite input: nothing recorded
+    k, v = _tokens(1, 200, seed=3)
+    k[0, 1, 5, 7] = float("nan")
+    store.append(k, v)  # the NaN token leaves the buffer and is encoded: recorded, not raised
+    with pytest.raises(ValueError, match="encode: a call since the last check got NaN/inf input"):
+        store.check_errors()
+    store.check_errors()  # reported once

@@ -481,13 +481,6 @@ def rne_small_tl(w):
 
 
 @jit
-def block_scale_e4m3_tl(ratio, block_amax):
-    bs = e4m3_decode_tl(e4m3_encode_tl(tl.minimum(ratio, 448.0)))
-    bs = tl.maximum(bs, 0.001953125)
-    return tl.where(block_amax > 0, bs, 1.0)
-
-
-@jit
 def e2m1_encode_tl(y):
     # Same codes as the seven comparisons of :func:`e2m1_encode`, in fewer operations. The
     # E2M1 grid has spacing q = 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]: q is read off the
@@ -529,16 +522,33 @@ def set_flag_tl(flag_ptr, bits):
 
 
 @jit
-def abs_bits_tl(x):
-    """``|x|`` of fp32 ``x`` as int32 bit patterns: their integer order is the float order, and
-    NaN lies above +inf, so an integer max over them is an amax that cannot lose a NaN."""
-    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+def amax_tl(x, axis: tl.constexpr, KEEP: tl.constexpr):
+    """``max |x|`` along ``axis``; NaN propagates (plain ``tl.max`` may drop it), so the amax
+    doubles as the NaN/inf check (:func:`nonfinite_tl`) at no extra cost per value."""
+    return tl.reduce(tl.abs(x), axis, max_nan_tl, keep_dims=KEEP)
 
 
 @jit
-def nonfinite_bits_tl(amax_bits):
-    """FLAG_NONFINITE (1) where an amax from :func:`abs_bits_tl` is NaN or inf, else 0."""
-    return (amax_bits >= 0x7F800000).to(tl.int32)
+def nonfinite_tl(amax):
+    """FLAG_NONFINITE (1) where an amax from :func:`amax_tl` is NaN or inf, else 0."""
+    return tl.where(amax <= 3.4028234663852886e38, 0, 1)
+
+
+@jit
+def block_scale_code_tl(ratio, block_amax, HW: tl.constexpr):
+    """E4M3 block scale for a block whose ideal scale is ``ratio``: ``(code, value)``.
+
+    The rules of :func:`block_scale_e4m3` applied on the code, which is encoded once:
+    saturate at 448, at least the smallest subnormal (code 1, 2^-9; codes of positive
+    values are ordered like the values), and 1.0 (code 0x38) for an all-zero block.
+    """
+    r = tl.minimum(ratio, 448.0)
+    if HW:
+        code = e4m3_encode_hw_tl(r)
+    else:
+        code = e4m3_encode_tl(r)
+    code = tl.where(block_amax > 0, tl.maximum(code, 1), 0x38)
+    return code, e4m3_decode_tl(code)
 
 
 @jit

@@ -23,7 +23,7 @@ import torch
 from .quant_common import (
     E4M3_MAX,
     LAUNCH_OPTS,
-    abs_bits_tl,
+    amax_tl,
     bad_scale_tl,
     cdiv,
     e4m3_decode,
@@ -35,7 +35,7 @@ from .quant_common import (
     jit,
     new_flags,
     next_pow2,
-    nonfinite_bits_tl,
+    nonfinite_tl,
     out_buffer,
     quantize_two_level,
     recip_tl,
@@ -79,8 +79,7 @@ def _fp8_quantize_kernel(
     else:
         code = e4m3_encode_tl(y)
     tl.store(code_ptr + row0 * D + offs, code.to(tl.uint8), mask=mask)
-    row_amax = tl.max(abs_bits_tl(x), axis=1)
-    set_flag_tl(flag_ptr, nonfinite_bits_tl(row_amax) | bad_scale_tl(scale))
+    set_flag_tl(flag_ptr, nonfinite_tl(amax_tl(x, 1, False)) | bad_scale_tl(scale))
 
 
 @jit

@@ -2,7 +2,7 @@
 
 For a group of values with minimum ``lo`` and maximum ``hi`` (all arithmetic fp32):
 
-- ``scale = (hi - lo) / (2^k - 1)``; scale and ``lo`` are rounded to the storage
+- ``scale = (hi - lo) * fp32(1 / (2^k - 1))``; scale and ``lo`` are rounded to the storage
   dtype (fp16 by default, as in KIVI; fp32 optional) *before* coding, so decoding
   uses exactly the numbers coding used. A scale that is 0 after rounding
   (constant group) becomes 1; a minimum of zero is stored as +0 (the sign of a zero
@@ -44,6 +44,7 @@ from .quant_common import (
     min_nan_tl,
     new_flags,
     next_pow2,
+    nonfinite_tl,
     out_buffer,
     pack_codes,
     raise_on_flags,
@@ -80,8 +81,7 @@ def _tile(width: int, values: int) -> int:
 
 def int_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, scale_dtype: torch.dtype):
     """Reference: (scale, lo) of groups with extremes ``lo``/``hi``, rounded to ``scale_dtype``, as fp32."""
-    levels = torch.full_like(hi, float((1 << bits) - 1))
-    scale = ((hi - lo) / levels).to(scale_dtype).to(torch.float32)
+    scale = ((hi - lo) * torch.full_like(hi, 1.0 / ((1 << bits) - 1))).to(scale_dtype).to(torch.float32)
     lo = lo.to(scale_dtype).to(torch.float32)
     lo = torch.where(lo == 0, torch.zeros_like(lo), lo)  # +0, never -0: min reductions disagree on a zero's sign
     return torch.where(scale > 0, scale, torch.ones_like(scale)), lo
@@ -95,7 +95,7 @@ def int_encode(x: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int
 
 @jit
 def _int_params_tl(lo, hi, BITS: tl.constexpr, HALF: tl.constexpr):
-    scale = tl.div_rn(hi - lo, tl.full(hi.shape, (1 << BITS) - 1, tl.float32))
+    scale = (hi - lo) * (1.0 / ((1 << BITS) - 1))
     if HALF:
         scale = scale.to(tl.float16).to(tl.float32)
         lo = lo.to(tl.float16).to(tl.float32)
@@ -119,10 +119,10 @@ def _range_flags_tl(lo, hi, ok, HALF: tl.constexpr):
     """Error bits per group from its extremes (found by NaN-propagating reductions, so a NaN
     or inf anywhere in the group shows in them): FLAG_NONFINITE; with fp16 scales, FLAG_RANGE
     where an extreme lies beyond the fp16 range. Groups outside the tensor (``ok`` false) get 0."""
-    finite = (lo >= -3.4028234663852886e38) & (hi <= 3.4028234663852886e38)  # false for NaN
-    bits = tl.where(finite, 0, 1)
+    top = tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL)
+    bits = nonfinite_tl(top)
     if HALF:
-        bits = bits | tl.where(tl.maximum(tl.abs(lo), tl.abs(hi)) > 65504.0, 4, 0)
+        bits = bits | tl.where(top > 65504.0, 4, 0)
     return tl.where(ok, bits, 0)
 
 

@@ -29,11 +29,11 @@ import torch
 
 from .quant_common import (
     LAUNCH_OPTS,
-    abs_bits_tl,
+    amax_tl,
     bad_scale_tl,
     block_heads_tl,
+    block_scale_code_tl,
     block_scale_e4m3,
-    block_scale_e4m3_tl,
     cdiv,
     e2m1_decode,
     e2m1_decode_tl,
@@ -42,10 +42,11 @@ from .quant_common import (
     e4m3_decode,
     e4m3_decode_tl,
     e4m3_encode,
-    e4m3_encode_tl,
+    hw_e4m3,
     jit,
+    max_nan_tl,
     new_flags,
-    nonfinite_bits_tl,
+    nonfinite_tl,
     out_buffer,
     pack_codes,
     quantize_two_level,
@@ -76,7 +77,8 @@ def _nvfp4_pack(x, inv_scale, B: tl.constexpr):
 
 @jit
 def _nvfp4_quantize_kernel(
-    x_ptr, s2_ptr, code_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr
+    x_ptr, s2_ptr, code_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
+    HW: tl.constexpr,
 ):
     # One program per tile of BLOCKS 16-value blocks, numbered flat over [N, H, D/16]; 64-bit
     # offsets for the tile start only. Each block is read as two [block, 8] halves, so one
@@ -89,17 +91,15 @@ def _nvfp4_quantize_kernel(
     hi = tl.load(x_ptr + offs + 8, mask=ok, other=0.0).to(tl.float32)
     s2 = tl.load(s2_ptr + block_heads_tl(blk0, b, H, NB), mask=ok, other=1.0)
 
-    amax_bits = tl.maximum(tl.max(abs_bits_tl(lo), axis=1, keep_dims=True),
-                           tl.max(abs_bits_tl(hi), axis=1, keep_dims=True))
-    block_amax = amax_bits.to(tl.float32, bitcast=True)
-    bs = block_scale_e4m3_tl(tl.div_rn(block_amax, s2 * 6.0), block_amax)
+    block_amax = max_nan_tl(amax_tl(lo, 1, True), amax_tl(hi, 1, True))
+    bs_code, bs = block_scale_code_tl(tl.div_rn(block_amax, s2 * 6.0), block_amax, HW)
     inv = recip_tl(bs * s2)
 
     out = blk0 * 8 + b * 8 + tl.arange(0, 4)[None, :]
     tl.store(code_ptr + out, _nvfp4_pack(lo, inv, BLOCKS).to(tl.uint8), mask=ok)
     tl.store(code_ptr + out + 4, _nvfp4_pack(hi, inv, BLOCKS).to(tl.uint8), mask=ok)
-    tl.store(bs_ptr + blk0 + b, e4m3_encode_tl(bs).to(tl.uint8), mask=ok)
-    set_flag_tl(flag_ptr, nonfinite_bits_tl(amax_bits) | bad_scale_tl(s2))
+    tl.store(bs_ptr + blk0 + b, bs_code.to(tl.uint8), mask=ok)
+    set_flag_tl(flag_ptr, nonfinite_tl(block_amax) | bad_scale_tl(s2))
 
 
 @jit
@@ -146,7 +146,8 @@ def nvfp4_quantize_triton(
         n_blocks = n * h * nb
         grid = (cdiv(n_blocks, TILE_BLOCKS),)
         _nvfp4_quantize_kernel[grid](
-            x, s2, codes, bs, flags, n_blocks, H=h, NB=nb, BLOCKS=TILE_BLOCKS, num_warps=QUANT_WARPS, **LAUNCH_OPTS
+            x, s2, codes, bs, flags, n_blocks, H=h, NB=nb, BLOCKS=TILE_BLOCKS,
+            HW=hw_e4m3(x, _nvfp4_quantize_kernel), num_warps=QUANT_WARPS, **LAUNCH_OPTS,
         )
     return codes, bs
 

@@ -40,19 +40,20 @@ import torch
 from .quant_common import (
     E4M3_MAX,
     LAUNCH_OPTS,
-    abs_bits_tl,
+    amax_tl,
     bad_scale_tl,
     block_heads_tl,
+    block_scale_code_tl,
     block_scale_e4m3,
-    block_scale_e4m3_tl,
     cdiv,
     e4m3_decode,
     e4m3_decode_tl,
     e4m3_encode,
-    e4m3_encode_tl,
+    hw_e4m3,
     jit,
+    max_nan_tl,
     new_flags,
-    nonfinite_bits_tl,
+    nonfinite_tl,
     out_buffer,
     pack_codes,
     quantize_two_level,
@@ -241,7 +242,8 @@ def _ternary_codes(x, half, B: tl.constexpr):
 
 @jit
 def _ternary_quantize_kernel(
-    x_ptr, s2_ptr, word_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr
+    x_ptr, s2_ptr, word_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
+    HW: tl.constexpr,
 ):
     # One program per tile of BLOCKS 16-value blocks, numbered flat over [N, H, D/16], each
     # loaded as two [block, 8] halves; the codes of a block are one int32 word.
@@ -253,18 +255,17 @@ def _ternary_quantize_kernel(
     lo = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     hi = tl.load(x_ptr + offs + 8, mask=ok[:, None], other=0.0).to(tl.float32)
 
-    amax_bits = tl.maximum(tl.max(abs_bits_tl(lo), axis=1), tl.max(abs_bits_tl(hi), axis=1))
-    block_amax = amax_bits.to(tl.float32, bitcast=True)
+    block_amax = max_nan_tl(amax_tl(lo, 1, False), amax_tl(hi, 1, False))
     r = tl.div_rn(tl.full(block_amax.shape, 1048576.0, tl.float32), tl.where(block_amax > 0, block_amax, 1.0))
     n_sel, s_sel = _ternary_scale_search(tl.floor(tl.abs(lo) * r[:, None]), tl.floor(tl.abs(hi) * r[:, None]), BLOCKS)
     alpha = tl.div_rn(s_sel, n_sel * 1048576.0) * block_amax
-    bs = block_scale_e4m3_tl(tl.div_rn(alpha, s2), block_amax)
+    bs_code, bs = block_scale_code_tl(tl.div_rn(alpha, s2), block_amax, HW)
 
     half = (bs * s2) * 0.5
     word = _ternary_codes(lo, half, BLOCKS) | (_ternary_codes(hi, half, BLOCKS) << 16)
     tl.store(word_ptr + blk0 + b, word, mask=ok)
-    tl.store(bs_ptr + blk0 + b, e4m3_encode_tl(bs).to(tl.uint8), mask=ok)
-    set_flag_tl(flag_ptr, nonfinite_bits_tl(amax_bits) | bad_scale_tl(s2))
+    tl.store(bs_ptr + blk0 + b, bs_code.to(tl.uint8), mask=ok)
+    set_flag_tl(flag_ptr, nonfinite_tl(block_amax) | bad_scale_tl(s2))
 
 
 @jit
@@ -309,7 +310,8 @@ def ternary_quantize_triton(
         n_blocks = n * h * nb
         grid = (cdiv(n_blocks, QUANT_TILE),)
         _ternary_quantize_kernel[grid](
-            x, s2, codes.view(torch.int32), bs, flags, n_blocks, H=h, NB=nb, BLOCKS=QUANT_TILE, num_warps=QUANT_WARPS, **LAUNCH_OPTS
+            x, s2, codes.view(torch.int32), bs, flags, n_blocks, H=h, NB=nb, BLOCKS=QUANT_TILE,
+            HW=hw_e4m3(x, _ternary_quantize_kernel), num_warps=QUANT_WARPS, **LAUNCH_OPTS,
         )
     return codes, bs
 

@@ -109,8 +109,7 @@ class QuantCodec(SlotCodec):
             if self.two_level:
                 x = x.float() / row_scales[prefix][:, :, None]
                 head_scale = next(v for k, v in fields.values() if k == "head").to(x.device)
-            flags = self._error_flags(x.device) if x.is_cuda else None  # CPU: checked at once anyway
-            packed = self.quantizer.quantize(x, role=role, head_scale=head_scale, flags=flags)
+            packed = self.quantizer.quantize(x, role=role, head_scale=head_scale, flags=self._error_flags(x.device))
             for name, (kind, _) in fields.items():
                 if kind == "slot":
                     slots[f"{prefix}.{name}"] = getattr(packed, name)
