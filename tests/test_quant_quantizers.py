@@ -211,3 +211,36 @@ def test_bad_value_in_every_position_is_caught():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bad_value_in_every_position_is_caught_cuda():
     _bad_value_in_every_position("cuda")
+
+
+LAUNCH_SHAPES = [  # (ops module, launch constant, values): the kernels must stay exact at every tile shape
+    ("quant_fp8", "QUANT_TILE", [2048, 4096, 8192]), ("quant_fp8", "DEQUANT_TILE", [2048, 8192]),
+    ("quant_nvfp4", "TILE_BLOCKS", [64, 128, 256]), ("quant_nvfp4", "QUANT_WARPS", [1, 2, 4]),
+    ("quant_nvfp4", "DEQUANT_TILE_BLOCKS", [256, 1024]),
+    ("quant_ternary", "QUANT_TILE", [64, 128, 256]), ("quant_ternary", "QUANT_WARPS", [2, 4]),
+    ("quant_int", "TOKEN_QUANT", [(1024, 1), (2048, 1), (4096, 4)]), ("quant_int", "CHANNEL_QUANT_WARPS", [1, 2, 4]),
+    ("quant_int", "CHANNEL_DEQUANT", [(2048, 1), (4096, 4)]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("module, name, values", LAUNCH_SHAPES)
+def test_cuda_kernels_match_reference_at_every_launch_shape(module, name, values, monkeypatch):
+    import importlib
+
+    mod = importlib.import_module(f"kvcompose.ops.{module}")
+    quantizers = {"quant_fp8": [FP8Quantizer()], "quant_nvfp4": [NVFP4Quantizer()], "quant_ternary": [TernaryQuantizer()],
+                  "quant_int": [IntQuantizer(bits=4), IntQuantizer(bits=2, layout="kivi", token_group=32)]}[module]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1000, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    for value in values:
+        monkeypatch.setattr(mod, name, value)
+        for q in quantizers:
+            for role in ("key", "value"):
+                tri = q.quantize(x, role=role, backend="triton")
+                ref = q.quantize(x, role=role, backend="torch")
+                for (field, a), b in zip(tri.tensors().items(), ref.tensors().values()):
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, value, field)
+                assert torch.equal(q.dequantize(tri, torch.bfloat16, backend="triton"),
+                                   q.dequantize(ref, torch.bfloat16, backend="torch")), (name, value)

@@ -535,18 +535,16 @@ def nonfinite_tl(amax):
 
 
 @jit
-def block_scale_code_tl(ratio, block_amax, HW: tl.constexpr):
+def block_scale_code_tl(ratio, block_amax):
     """E4M3 block scale for a block whose ideal scale is ``ratio``: ``(code, value)``.
 
     The rules of :func:`block_scale_e4m3` applied on the code, which is encoded once:
     saturate at 448, at least the smallest subnormal (code 1, 2^-9; codes of positive
     values are ordered like the values), and 1.0 (code 0x38) for an all-zero block.
+    Always the integer encoder: the hardware conversion gave wrong codes for these
+    per-block ``[B, 1]`` vectors at some tile shapes (Triton 3.6, H200), never for full tiles.
     """
-    r = tl.minimum(ratio, 448.0)
-    if HW:
-        code = e4m3_encode_hw_tl(r)
-    else:
-        code = e4m3_encode_tl(r)
+    code = e4m3_encode_tl(tl.minimum(ratio, 448.0))
     code = tl.where(block_amax > 0, tl.maximum(code, 1), 0x38)
     return code, e4m3_decode_tl(code)
 

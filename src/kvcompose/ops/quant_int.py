@@ -64,7 +64,7 @@ BITS = (2, 4, 8)
 SCALE_DTYPES = (torch.float16, torch.float32)
 FP16_MAX = 65504.0
 # Launch shapes, per kernel: values per program and warps per program.
-TOKEN_QUANT = (1024, 1)
+TOKEN_QUANT = (2048, 1)
 TOKEN_DEQUANT = (8192, 4)
 CHANNEL_QUANT_WARPS = 1  # a program holds one token group x head dim of one head
 CHANNEL_DEQUANT = (2048, 1)

@@ -49,7 +49,6 @@ from .quant_common import (
     e4m3_decode,
     e4m3_decode_tl,
     e4m3_encode,
-    hw_e4m3,
     jit,
     max_nan_tl,
     new_flags,
@@ -242,8 +241,7 @@ def _ternary_codes(x, half, B: tl.constexpr):
 
 @jit
 def _ternary_quantize_kernel(
-    x_ptr, s2_ptr, word_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
-    HW: tl.constexpr,
+    x_ptr, s2_ptr, word_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr
 ):
     # One program per tile of BLOCKS 16-value blocks, numbered flat over [N, H, D/16], each
     # loaded as two [block, 8] halves; the codes of a block are one int32 word.
@@ -259,7 +257,7 @@ def _ternary_quantize_kernel(
     r = tl.div_rn(tl.full(block_amax.shape, 1048576.0, tl.float32), tl.where(block_amax > 0, block_amax, 1.0))
     n_sel, s_sel = _ternary_scale_search(tl.floor(tl.abs(lo) * r[:, None]), tl.floor(tl.abs(hi) * r[:, None]), BLOCKS)
     alpha = tl.div_rn(s_sel, n_sel * 1048576.0) * block_amax
-    bs_code, bs = block_scale_code_tl(tl.div_rn(alpha, s2), block_amax, HW)
+    bs_code, bs = block_scale_code_tl(tl.div_rn(alpha, s2), block_amax)
 
     half = (bs * s2) * 0.5
     word = _ternary_codes(lo, half, BLOCKS) | (_ternary_codes(hi, half, BLOCKS) << 16)
@@ -311,7 +309,7 @@ def ternary_quantize_triton(
         grid = (cdiv(n_blocks, QUANT_TILE),)
         _ternary_quantize_kernel[grid](
             x, s2, codes.view(torch.int32), bs, flags, n_blocks, H=h, NB=nb, BLOCKS=QUANT_TILE,
-            HW=hw_e4m3(x, _ternary_quantize_kernel), num_warps=QUANT_WARPS, **LAUNCH_OPTS,
+            num_warps=QUANT_WARPS, **LAUNCH_OPTS,
         )
     return codes, bs
 
