@@ -9,9 +9,11 @@ One call quantizes one layer's keys (or values) of a whole batch: ``[N, 8, 128]`
 bf16 with N = 32768 and 262144 tokens (batch x context), through the registered
 quantizers exactly as the store calls them, and decodes the result back to bf16.
 
-- **quantize, store path**: ``quantizer.quantize(x, role=..., head_scale=s)``: the
-  per-head scale is given, as the store's codec gives it (here twice the scale the
-  data itself would get, i.e. ``scale_headroom=2``; nothing saturates).
+- **quantize, store path**: ``quantizer.quantize(x, role=..., head_scale=s)`` with
+  ``s`` of shape ``[N, H]``, one scale per token and head, as the store's codec gives
+  it (each token's sequence scale times the format's unit scale; here twice the scale
+  the data itself would get, i.e. ``scale_headroom=2``, so nothing saturates). The
+  dequantize rows decode these packs, per-token scales included.
 - **quantize, default path**: ``quantizer.quantize(x, role=...)``: the per-head scale
   is computed from ``x`` first, so ``x`` is read twice and its bytes count twice. INT
   has no per-head scale, so it has one quantize path, reported as ``store``.
@@ -216,9 +218,11 @@ def bench_format(label: str, n: int, device: torch.device, cfg: Config, copy_tbp
     copies = max(1, -(-cfg.min_rotate_bytes // (one.numel() * one.element_size())))
     xs = [one] + [torch.randn(shape, device=device, dtype=cfg.dtype, generator=gen) for _ in range(copies - 1)]
     probe = q.quantize(one, role=role)
-    head_scale = None if probe.head_scale is None else probe.head_scale * 2.0  # scale_headroom = 2
+    # the store's codec passes one scale per token and head (scale_headroom = 2)
+    head_scale = None if probe.head_scale is None else (probe.head_scale * 2.0).expand(n, -1).contiguous()
     backend = "triton" if device.type == "cuda" or _interpreted() else None
-    matches = check_reference(q, role, one[: cfg.check_tokens], head_scale) if backend == "triton" else None
+    check_scale = None if head_scale is None else head_scale[: cfg.check_tokens]
+    matches = check_reference(q, role, one[: cfg.check_tokens], check_scale) if backend == "triton" else None
 
     in_bytes = one.numel() * one.element_size()
     rows = []

@@ -244,3 +244,32 @@ def test_cuda_kernels_match_reference_at_every_launch_shape(module, name, values
                     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, value, field)
                 assert torch.equal(q.dequantize(tri, torch.bfloat16, backend="triton"),
                                    q.dequantize(ref, torch.bfloat16, backend="torch")), (name, value)
+
+
+@pytest.mark.parametrize("q", [FP8Quantizer(), NVFP4Quantizer(), TernaryQuantizer()])
+def test_per_token_head_scales(q):
+    """A head scale may be [N, H] (one per token and head): kernel == reference, and a scale
+    that repeats one row per token gives the per-head result bit for bit."""
+    x = x_of(torch.bfloat16)
+    per_head = q.quantize(x, backend="torch").head_scale
+    g = torch.Generator().manual_seed(1)
+    per_tok = per_head[None, :] * torch.rand(N, H, generator=g).add(0.5)
+    ref = q.quantize(x, head_scale=per_tok, backend="torch")
+    auto = q.quantize(x, head_scale=per_tok)  # the interpreted kernel here
+    assert ref.head_scale.shape == (N, H)
+    for a, b in zip(auto.tensors().values(), ref.tensors().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(q.dequantize(auto, torch.float32), q.dequantize(ref, torch.float32, backend="torch"))
+    # row t is coded under its own scale, exactly as if it were quantized alone with it
+    t = 5
+    alone = q.quantize(x[t:t + 1], head_scale=per_tok[t], backend="torch")
+    for name, v in alone.token_tensors().items():
+        if v.dim() == 3:
+            assert torch.equal(v[0], ref.tensors()[name][t]), name
+    same = q.quantize(x, head_scale=per_head.expand(N, H), backend="torch")
+    plain = q.quantize(x, head_scale=per_head, backend="torch")
+    for (name, a), b in zip(same.tensors().items(), plain.tensors().values()):
+        if a.dim() == 3:
+            assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match=rf"head scale must be a tensor of shape \({H},\) .* or \({N}, {H}\)"):
+        q.quantize(x, head_scale=torch.ones(N + 1, H))

@@ -128,19 +128,36 @@ def check_finite(x: torch.Tensor, fmt: str) -> None:
 
 
 def check_head_scale(scale: torch.Tensor, x: torch.Tensor, fmt: str, values: bool = True) -> torch.Tensor:
-    """Validate a caller-provided per-head scale: ``[H]``, finite, positive; returned as fp32.
+    """Validate a caller-provided head scale: ``[H]`` (one per KV head) or ``[N, H]`` (one per
+    token and head, e.g. a per-sequence scale spread over a batch's tokens), finite, positive;
+    returned as contiguous fp32.
 
     ``values=False`` checks only the shape (no host synchronization): the kernels
     check the values themselves (:data:`FLAG_BAD_SCALE`).
     """
-    h = x.shape[1]
-    if not isinstance(scale, torch.Tensor) or scale.shape != (h,):
-        shape = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise ValueError(f"{fmt}: head scale must be a tensor of shape ({h},) (one per KV head), got {shape}")
+    check_scale_shape(scale, x.shape[0], x.shape[1], fmt, "head scale")
     scale = scale.detach().to(device=x.device, dtype=torch.float32).contiguous()
     if values and not (torch.isfinite(scale) & (scale > 0)).all():
         bad_head_scale(scale, fmt)
     return scale
+
+
+def check_scale_shape(scale, n: int, h: int, fmt: str, what: str) -> None:
+    """A second-level scale is ``[H]`` or ``[N, H]``; anything else is named in the error."""
+    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in ((h,), (n, h)):
+        shape = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(f"{fmt}: {what} must be a tensor of shape ({h},) (one per KV head) or ({n}, {h}) "
+                         f"(one per token and head), got {shape}")
+
+
+def per_token(scale: torch.Tensor) -> torch.Tensor:
+    """A ``[H]`` or ``[N, H]`` scale as ``[1 or N, H, 1]``, ready to broadcast over ``[N, H, D]``."""
+    return scale.reshape(-1, scale.shape[-1])[:, :, None]
+
+
+def token_stride(scale: torch.Tensor) -> int:
+    """Token stride of a contiguous ``[H]`` or ``[N, H]`` scale: 0 (per head) or H."""
+    return 0 if scale.dim() == 1 else scale.shape[1]
 
 
 def bad_head_scale(scale: torch.Tensor, fmt: str):
@@ -550,10 +567,18 @@ def block_scale_code_tl(ratio, block_amax):
 
 
 @jit
-def block_heads_tl(blk0, b, H: tl.constexpr, NB: tl.constexpr):
-    """KV head of blocks ``blk0 + b`` (``blk0`` an int64 tile start, ``b`` a small int32 range) when
-    ``NB`` blocks per head are numbered flat over ``[N, H, NB]``; 32-bit arithmetic per block."""
-    return (((blk0 % (H * NB)).to(tl.int32) + b) // NB) % H
+def scale_index_tl(unit0, u, PER_ROW: tl.constexpr, H: tl.constexpr, ST: tl.constexpr):
+    """Offset of the scale of units ``unit0 + u`` in a ``[H]`` (``ST`` = 0) or ``[N, H]`` (``ST`` = H) scale.
+
+    Units (rows or 16-value blocks, ``PER_ROW`` per (token, head) row) are numbered flat
+    over ``[N, H, PER_ROW]``; ``unit0`` is an int64 tile start, ``u`` a small int32 range,
+    so the per-unit arithmetic stays 32-bit.
+    """
+    g = (unit0 % (H * PER_ROW)).to(tl.int32) + u
+    head = (g // PER_ROW) % H
+    if ST == 0:
+        return head
+    return ((unit0 // (H * PER_ROW)).to(tl.int32) + g // (H * PER_ROW)) * ST + head  # token * H + head < 2^31
 
 
 @jit

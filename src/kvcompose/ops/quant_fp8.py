@@ -26,6 +26,7 @@ from .quant_common import (
     amax_tl,
     bad_scale_tl,
     cdiv,
+    check_scale_shape,
     e4m3_decode,
     e4m3_decode_tl,
     e4m3_encode,
@@ -37,12 +38,15 @@ from .quant_common import (
     next_pow2,
     nonfinite_tl,
     out_buffer,
+    per_token,
     quantize_two_level,
     recip_tl,
     reciprocal,
+    scale_index_tl,
     set_flag_tl,
     store_out_tl,
     tl,
+    token_stride,
     use_triton,
 )
 
@@ -61,7 +65,7 @@ def _rows(d: int, tile: int) -> tuple[int, int]:
 @jit
 def _fp8_quantize_kernel(
     x_ptr, scale_ptr, code_ptr, flag_ptr, n_rows, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    ROWS: tl.constexpr, HW: tl.constexpr,
+    ROWS: tl.constexpr, ST: tl.constexpr, HW: tl.constexpr,
 ):
     # One program per ROWS (token, head) rows of D values; row r belongs to head r % H.
     # 64-bit offsets only for the program's start, 32-bit ones inside the tile.
@@ -72,7 +76,7 @@ def _fp8_quantize_kernel(
     mask = ok[:, None] & (d < D)
     offs = r[:, None] * D + d
     x = tl.load(x_ptr + row0 * D + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr + ((row0 % H).to(tl.int32) + r) % H, mask=ok, other=1.0)
+    scale = tl.load(scale_ptr + scale_index_tl(row0, r, 1, H, ST), mask=ok, other=1.0)
     y = x * recip_tl(scale)[:, None]
     if HW:
         code = e4m3_encode_hw_tl(y)
@@ -85,25 +89,26 @@ def _fp8_quantize_kernel(
 @jit
 def _fp8_dequantize_kernel(
     code_ptr, scale_ptr, out_ptr, n_rows, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
-    OUT: tl.constexpr, HW: tl.constexpr,
+    ST: tl.constexpr, OUT: tl.constexpr, HW: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    ok = r < n_rows
+    row0 = tl.program_id(0).to(tl.int64) * ROWS
+    r = tl.arange(0, ROWS)
+    ok = r < n_rows - row0
     d = tl.arange(0, BD)[None, :]
     mask = ok[:, None] & (d < D)
     offs = r[:, None] * D + d
-    code = tl.load(code_ptr + offs, mask=mask, other=0)
-    scale = tl.load(scale_ptr + r % H, mask=ok, other=1.0)
+    code = tl.load(code_ptr + row0 * D + offs, mask=mask, other=0)
+    scale = tl.load(scale_ptr + scale_index_tl(row0, r, 1, H, ST), mask=ok, other=1.0)
     if HW:  # exact either way: every E4M3 value is an fp32 value
         value = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         value = e4m3_decode_tl(code)
-    store_out_tl(out_ptr + offs, value * scale[:, None], mask, OUT)
+    store_out_tl(out_ptr + row0 * D + offs, value * scale[:, None], mask, OUT)
 
 
 def fp8_quantize_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Reference: E4M3 codes (uint8 ``[N, H, D]``) of ``x`` under per-head ``scale`` ``[H]``."""
-    return e4m3_encode(x.to(torch.float32) * reciprocal(scale)[None, :, None])
+    return e4m3_encode(x.to(torch.float32) * reciprocal(per_token(scale)))
 
 
 def fp8_quantize_triton(x: torch.Tensor, scale: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,7 +121,8 @@ def fp8_quantize_triton(x: torch.Tensor, scale: torch.Tensor, flags: torch.Tenso
         rows, bd = _rows(d, QUANT_TILE)
         grid = (cdiv(n * h, rows),)
         _fp8_quantize_kernel[grid](
-            x, scale, codes, flags, n * h, H=h, D=d, BD=bd, ROWS=rows, HW=hw_e4m3(x, _fp8_quantize_kernel),
+            x, scale, codes, flags, n * h, H=h, D=d, BD=bd, ROWS=rows, ST=token_stride(scale),
+            HW=hw_e4m3(x, _fp8_quantize_kernel),
             num_warps=QUANT_WARPS, **LAUNCH_OPTS,
         )
     return codes
@@ -124,7 +130,7 @@ def fp8_quantize_triton(x: torch.Tensor, scale: torch.Tensor, flags: torch.Tenso
 
 def fp8_dequantize_torch(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Reference: fp32 ``[N, H, D]`` values of E4M3 ``codes`` under per-head ``scale``."""
-    return e4m3_decode(codes) * scale[None, :, None]
+    return e4m3_decode(codes) * per_token(scale)
 
 
 def fp8_dequantize_triton(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -136,7 +142,8 @@ def fp8_dequantize_triton(codes: torch.Tensor, scale: torch.Tensor, dtype: torch
         rows, bd = _rows(d, DEQUANT_TILE)
         grid = (cdiv(n * h, rows),)
         _fp8_dequantize_kernel[grid](
-            codes, scale, dst, n * h, H=h, D=d, BD=bd, ROWS=rows, OUT=kind, HW=hw_e4m3(codes, _fp8_dequantize_kernel),
+            codes, scale, dst, n * h, H=h, D=d, BD=bd, ROWS=rows, ST=token_stride(scale), OUT=kind,
+            HW=hw_e4m3(codes, _fp8_dequantize_kernel),
             num_warps=DEQUANT_WARPS, **LAUNCH_OPTS,
         )
     return out
@@ -171,5 +178,4 @@ def fp8_dequantize(
 def _check_codes(codes: torch.Tensor, scale: torch.Tensor) -> None:
     if codes.dtype != torch.uint8 or codes.dim() != 3:
         raise ValueError(f"{FORMAT}: codes must be uint8 [N, H, D], got {codes.dtype} {tuple(codes.shape)}")
-    if scale.shape != (codes.shape[1],):
-        raise ValueError(f"{FORMAT}: scale must have shape ({codes.shape[1]},), got {tuple(scale.shape)}")
+    check_scale_shape(scale, codes.shape[0], codes.shape[1], FORMAT, "scale")

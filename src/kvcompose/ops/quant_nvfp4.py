@@ -31,10 +31,10 @@ from .quant_common import (
     LAUNCH_OPTS,
     amax_tl,
     bad_scale_tl,
-    block_heads_tl,
     block_scale_code_tl,
     block_scale_e4m3,
     cdiv,
+    check_scale_shape,
     e2m1_decode,
     e2m1_decode_tl,
     e2m1_encode,
@@ -48,12 +48,15 @@ from .quant_common import (
     nonfinite_tl,
     out_buffer,
     pack_codes,
+    per_token,
     quantize_two_level,
     recip_tl,
     reciprocal,
+    scale_index_tl,
     set_flag_tl,
     store_out_tl,
     tl,
+    token_stride,
     unpack_codes,
     use_triton,
 )
@@ -76,7 +79,8 @@ def _nvfp4_pack(x, inv_scale, B: tl.constexpr):
 
 @jit
 def _nvfp4_quantize_kernel(
-    x_ptr, s2_ptr, code_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr
+    x_ptr, s2_ptr, code_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
+    ST: tl.constexpr,
 ):
     # One program per tile of BLOCKS 16-value blocks, numbered flat over [N, H, D/16]; 64-bit
     # offsets for the tile start only. Each block is read as two [block, 8] halves, so one
@@ -87,7 +91,7 @@ def _nvfp4_quantize_kernel(
     offs = blk0 * 16 + b * 16 + tl.arange(0, 8)[None, :]
     lo = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     hi = tl.load(x_ptr + offs + 8, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(s2_ptr + block_heads_tl(blk0, b, H, NB), mask=ok, other=1.0)
+    s2 = tl.load(s2_ptr + scale_index_tl(blk0, b, NB, H, ST), mask=ok, other=1.0)
 
     block_amax = max_nan_tl(amax_tl(lo, 1, True), amax_tl(hi, 1, True))
     bs_code, bs = block_scale_code_tl(tl.div_rn(block_amax, s2 * 6.0), block_amax)
@@ -103,12 +107,12 @@ def _nvfp4_quantize_kernel(
 @jit
 def _nvfp4_dequantize_kernel(
     code_ptr, bs_ptr, s2_ptr, out_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
-    OUT: tl.constexpr,
+    ST: tl.constexpr, OUT: tl.constexpr,
 ):
     blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
     b = tl.arange(0, BLOCKS)
     ok = b < n_blocks - blk0
-    s2 = tl.load(s2_ptr + block_heads_tl(blk0, b, H, NB), mask=ok, other=1.0)
+    s2 = tl.load(s2_ptr + scale_index_tl(blk0, b, NB, H, ST), mask=ok, other=1.0)
     scale = e4m3_decode_tl(tl.load(bs_ptr + blk0 + b, mask=ok, other=0)) * s2
     src = b[:, None] * 8 + tl.arange(0, 8)[None, :]
     packed = tl.load(code_ptr + blk0 * 8 + src, mask=ok[:, None], other=0).to(tl.int32)
@@ -123,7 +127,7 @@ def nvfp4_quantize_torch(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tenso
     """Reference: ``(codes uint8 [N, H, D/2], block_scales uint8 [N, H, D/16])`` of ``x`` under ``s2`` ``[H]``."""
     n, h, d = x.shape
     xb = x.to(torch.float32).reshape(n, h, d // BLOCK, BLOCK)
-    s2 = s2[None, :, None]
+    s2 = per_token(s2)
     block_amax = xb.abs().amax(dim=-1)
     bs = block_scale_e4m3(block_amax / (s2 * 6.0), block_amax)
     codes = e2m1_encode(xb * reciprocal(bs * s2)[..., None])
@@ -144,7 +148,7 @@ def nvfp4_quantize_triton(
         n_blocks = n * h * nb
         grid = (cdiv(n_blocks, TILE_BLOCKS),)
         _nvfp4_quantize_kernel[grid](
-            x, s2, codes, bs, flags, n_blocks, H=h, NB=nb, BLOCKS=TILE_BLOCKS,
+            x, s2, codes, bs, flags, n_blocks, H=h, NB=nb, BLOCKS=TILE_BLOCKS, ST=token_stride(s2),
             num_warps=QUANT_WARPS, **LAUNCH_OPTS,
         )
     return codes, bs
@@ -154,7 +158,7 @@ def nvfp4_dequantize_torch(codes: torch.Tensor, block_scales: torch.Tensor, s2: 
     """Reference: fp32 ``[N, H, D]`` values of packed NVFP4 data."""
     n, h, half = codes.shape
     values = e2m1_decode(unpack_codes(codes, 4)).reshape(n, h, half // 8, BLOCK)
-    scale = e4m3_decode(block_scales) * s2[None, :, None]
+    scale = e4m3_decode(block_scales) * per_token(s2)
     return (values * scale[..., None]).reshape(n, h, half * 2)
 
 
@@ -170,8 +174,8 @@ def nvfp4_dequantize_triton(
         n_blocks = n * h * nb
         grid = (cdiv(n_blocks, DEQUANT_TILE_BLOCKS),)
         _nvfp4_dequantize_kernel[grid](
-            codes, block_scales, s2, dst, n_blocks, H=h, NB=nb, BLOCKS=DEQUANT_TILE_BLOCKS, OUT=kind,
-            num_warps=DEQUANT_WARPS, **LAUNCH_OPTS,
+            codes, block_scales, s2, dst, n_blocks, H=h, NB=nb, BLOCKS=DEQUANT_TILE_BLOCKS, ST=token_stride(s2),
+            OUT=kind, num_warps=DEQUANT_WARPS, **LAUNCH_OPTS,
         )
     return out
 
@@ -206,8 +210,7 @@ def nvfp4_dequantize(
     if block_scales.shape != (n, h, codes.shape[2] // 8) or block_scales.dtype != torch.uint8:
         expected = (n, h, codes.shape[2] // 8)
         raise ValueError(f"{FORMAT}: block_scales must be uint8 {expected}, got {tuple(block_scales.shape)}")
-    if s2.shape != (h,):
-        raise ValueError(f"{FORMAT}: s2 must have shape ({h},), got {tuple(s2.shape)}")
+    check_scale_shape(s2, n, h, FORMAT, "s2")
     s2 = s2.to(torch.float32).contiguous()
     if use_triton(codes, _nvfp4_dequantize_kernel, backend):
         out = nvfp4_dequantize_triton(codes, block_scales, s2, dtype)

@@ -42,10 +42,10 @@ from .quant_common import (
     LAUNCH_OPTS,
     amax_tl,
     bad_scale_tl,
-    block_heads_tl,
     block_scale_code_tl,
     block_scale_e4m3,
     cdiv,
+    check_scale_shape,
     e4m3_decode,
     e4m3_decode_tl,
     e4m3_encode,
@@ -55,10 +55,13 @@ from .quant_common import (
     nonfinite_tl,
     out_buffer,
     pack_codes,
+    per_token,
     quantize_two_level,
+    scale_index_tl,
     set_flag_tl,
     store_out_tl,
     tl,
+    token_stride,
     unpack_codes,
     use_triton,
 )
@@ -90,7 +93,7 @@ def ternary_block_scale(x: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     n_sel = chosen.sum(dim=-1).to(torch.float32)
     s_sel = (u * chosen).sum(dim=-1)
     alpha = s_sel / (n_sel * FIXED_ONE) * block_amax
-    return block_scale_e4m3(alpha / s2[None, :, None], block_amax)
+    return block_scale_e4m3(alpha / per_token(s2), block_amax)
 
 
 # ---------------------------------------------------------------------------
@@ -241,14 +244,15 @@ def _ternary_codes(x, half, B: tl.constexpr):
 
 @jit
 def _ternary_quantize_kernel(
-    x_ptr, s2_ptr, word_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr
+    x_ptr, s2_ptr, word_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
+    ST: tl.constexpr,
 ):
     # One program per tile of BLOCKS 16-value blocks, numbered flat over [N, H, D/16], each
     # loaded as two [block, 8] halves; the codes of a block are one int32 word.
     blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
     b = tl.arange(0, BLOCKS)
     ok = b < n_blocks - blk0
-    s2 = tl.load(s2_ptr + block_heads_tl(blk0, b, H, NB), mask=ok, other=1.0)
+    s2 = tl.load(s2_ptr + scale_index_tl(blk0, b, NB, H, ST), mask=ok, other=1.0)
     offs = blk0 * 16 + b[:, None] * 16 + tl.arange(0, 8)[None, :]
     lo = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     hi = tl.load(x_ptr + offs + 8, mask=ok[:, None], other=0.0).to(tl.float32)
@@ -269,12 +273,12 @@ def _ternary_quantize_kernel(
 @jit
 def _ternary_dequantize_kernel(
     word_ptr, bs_ptr, s2_ptr, out_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
-    OUT: tl.constexpr,
+    ST: tl.constexpr, OUT: tl.constexpr,
 ):
     blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
     b = tl.arange(0, BLOCKS)
     ok = b < n_blocks - blk0
-    s2 = tl.load(s2_ptr + block_heads_tl(blk0, b, H, NB), mask=ok, other=1.0)
+    s2 = tl.load(s2_ptr + scale_index_tl(blk0, b, NB, H, ST), mask=ok, other=1.0)
     scale = e4m3_decode_tl(tl.load(bs_ptr + blk0 + b, mask=ok, other=0)) * s2
     word = tl.load(word_ptr + blk0 + b, mask=ok, other=0)
     code = (word[:, None] >> (2 * tl.arange(0, 16))[None, :]) & 3
@@ -289,7 +293,7 @@ def ternary_quantize_torch(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Ten
     n, h, d = x.shape
     xb = x.to(torch.float32).reshape(n, h, d // BLOCK, BLOCK)
     bs = ternary_block_scale(xb, s2)
-    half = ((bs * s2[None, :, None]) * 0.5)[..., None]
+    half = ((bs * per_token(s2)) * 0.5)[..., None]
     codes = torch.where(xb > half, 1, torch.where(xb < -half, 2, 0))
     return pack_codes(codes.reshape(n, h, d), 2), e4m3_encode(bs)
 
@@ -308,7 +312,7 @@ def ternary_quantize_triton(
         n_blocks = n * h * nb
         grid = (cdiv(n_blocks, QUANT_TILE),)
         _ternary_quantize_kernel[grid](
-            x, s2, codes.view(torch.int32), bs, flags, n_blocks, H=h, NB=nb, BLOCKS=QUANT_TILE,
+            x, s2, codes.view(torch.int32), bs, flags, n_blocks, H=h, NB=nb, BLOCKS=QUANT_TILE, ST=token_stride(s2),
             num_warps=QUANT_WARPS, **LAUNCH_OPTS,
         )
     return codes, bs
@@ -319,7 +323,7 @@ def ternary_dequantize_torch(codes: torch.Tensor, block_scales: torch.Tensor, s2
     n, h, quarter = codes.shape
     c = unpack_codes(codes, 2).reshape(n, h, quarter // 4, BLOCK)
     level = (c == 1).to(torch.float32) - (c == 2).to(torch.float32)
-    scale = e4m3_decode(block_scales) * s2[None, :, None]
+    scale = e4m3_decode(block_scales) * per_token(s2)
     return (level * scale[..., None]).reshape(n, h, quarter * 4)
 
 
@@ -335,8 +339,8 @@ def ternary_dequantize_triton(
         n_blocks = n * h * nb
         grid = (cdiv(n_blocks, DEQUANT_TILE),)
         _ternary_dequantize_kernel[grid](
-            codes.view(torch.int32), block_scales, s2, dst, n_blocks, H=h, NB=nb, BLOCKS=DEQUANT_TILE, OUT=kind,
-            num_warps=DEQUANT_WARPS, **LAUNCH_OPTS,
+            codes.view(torch.int32), block_scales, s2, dst, n_blocks, H=h, NB=nb, BLOCKS=DEQUANT_TILE,
+            ST=token_stride(s2), OUT=kind, num_warps=DEQUANT_WARPS, **LAUNCH_OPTS,
         )
     return out
 
@@ -371,8 +375,7 @@ def ternary_dequantize(
     if block_scales.shape != (n, h, codes.shape[2] // 4) or block_scales.dtype != torch.uint8:
         expected = (n, h, codes.shape[2] // 4)
         raise ValueError(f"{FORMAT}: block_scales must be uint8 {expected}, got {tuple(block_scales.shape)}")
-    if s2.shape != (h,):
-        raise ValueError(f"{FORMAT}: s2 must have shape ({h},), got {tuple(s2.shape)}")
+    check_scale_shape(s2, n, h, FORMAT, "s2")
     s2 = s2.to(torch.float32).contiguous()
     if use_triton(codes, _ternary_dequantize_kernel, backend):
         out = ternary_dequantize_triton(codes, block_scales, s2, dtype)

@@ -30,8 +30,10 @@ class SlotCodec:
         """``[M, H, D]`` → (per-slot tensors ``[M, ...]``, per-block tensors ``[M // group_tokens, ...]``)."""
         raise NotImplementedError  # pragma: no cover - interface
 
-    def decode(self, slots: dict, blocks: dict, row_scales: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-slot tensors ``[N, S, ...]`` of ``N`` whole blocks → keys, values ``[N, S, H, D]``."""
+    def decode(self, slots: dict, blocks: dict, row_scales: dict,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-slot tensors ``[N, S, ...]`` of ``N`` whole blocks → keys, values ``[N, S, H, D]``
+        (``dtype``: what quantized formats decode to; stored dense tensors come back as they are)."""
         raise NotImplementedError  # pragma: no cover - interface
 
     def check_errors(self) -> None:
@@ -60,5 +62,5 @@ class DenseCodec(SlotCodec):
     def encode(self, keys, values, row_scales):
         return {"k": keys.to(self.dtype), "v": values.to(self.dtype)}, {}
 
-    def decode(self, slots, blocks, row_scales):
+    def decode(self, slots, blocks, row_scales, dtype=None):
         return slots["k"], slots["v"]

@@ -214,7 +214,7 @@ class LayerStore:
             rows = torch.arange(B, device=self.device).repeat_interleave(W)
             scales = {n: t[rows] for n, t in self.row_scales[pool.codec.name].items()}
             if ids.numel():
-                k, v = pool.codec.decode(slots, groups, scales)
+                k, v = pool.codec.decode(slots, groups, scales, self.dtype)
             else:  # no blocks yet: skip the codec (quantized formats reject empty input)
                 k = v = torch.zeros(0, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
             inside = (table >= 0)[:, :, None].expand(B, W, bs).reshape(B, W * bs)

@@ -36,11 +36,13 @@ class Packed:
     def token_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors whose dim 0 is the token: what moves with a token's slot."""
         head = self.head_scale
-        return {k: t for k, t in self.tensors().items() if t is not head}
+        shared = head is not None and head.dim() == 1
+        return {k: t for k, t in self.tensors().items() if not (shared and t is head)}
 
     @property
     def head_scale(self) -> torch.Tensor | None:
-        """The fp32 ``[H]`` scale shared by all tokens quantized with it (None if the format has none)."""
+        """The fp32 second-level scale: ``[H]``, shared by all tokens quantized with it, or
+        ``[N, H]``, one per token and head (None if the format has none)."""
         return None
 
     @property

@@ -6,10 +6,12 @@ scales, kept per block) and per-head scales. Per-head scales of two-level format
 (fp8's scale, nvfp4's and ternary's s2) are fixed per sequence at its first encode in
 that format: ``A[b, h] = headroom · amax`` over the tokens of that encode (after a
 prefill: every prompt token that left the buffer). Scales belong to the pool, so
-classes that share a format (ThinKV's R and E in NVFP4) share them. The codec divides by
-``A`` before quantizing with the format's unit head scale and multiplies after
-decoding, which equals the format's recipe with ``s2 = headroom · amax / max`` and
-keeps every slot self-contained, so blocks can be moved and compacted exactly. A
+classes that share a format (ThinKV's R and E in NVFP4) share them. The codec hands
+the kernels one scale per token and head, ``A[row of the token, h]`` times the
+format's unit scale (its scale for amax 1), which is the format's recipe with
+``s2 = headroom · amax / max``; the kernels divide and multiply by it themselves, so
+encoding reads the model's keys once and decoding writes the model's dtype directly.
+Every slot stays self-contained, so blocks can be moved and compacted exactly. A
 later token larger than ``headroom`` times the first amax saturates (fp8 at ±448 of
 the scaled range; nvfp4/ternary through their block scale).
 """
@@ -105,10 +107,7 @@ class QuantCodec(SlotCodec):
         for role, x in (("key", keys), ("value", values)):
             prefix = role[0]
             fields = self.layout[role]
-            head_scale = None
-            if self.two_level:
-                x = x.float() / row_scales[prefix][:, :, None]
-                head_scale = next(v for k, v in fields.values() if k == "head").to(x.device)
+            head_scale = self._token_scales(fields, row_scales, prefix, x.device) if self.two_level else None
             packed = self.quantizer.quantize(x, role=role, head_scale=head_scale, flags=self._error_flags(x.device))
             for name, (kind, _) in fields.items():
                 if kind == "slot":
@@ -117,9 +116,16 @@ class QuantCodec(SlotCodec):
                     groups[f"{prefix}.{name}"] = getattr(packed, name)
         return slots, groups
 
-    def decode(self, slots, blocks, row_scales):
+    @staticmethod
+    def _token_scales(fields: dict, row_scales: dict, prefix: str, device) -> torch.Tensor:
+        """``[M, H]`` second-level scales of M tokens: their row's ``A`` times the format's unit scale."""
+        unit = next(v for k, v in fields.values() if k == "head").to(device)
+        return row_scales[prefix].to(device=device, dtype=torch.float32) * unit
+
+    def decode(self, slots, blocks, row_scales, dtype: torch.dtype = torch.float32):
         out = []
-        nblocks, bs = next(iter(slots.values())).shape[:2]
+        first = next(iter(slots.values()))
+        nblocks, bs = first.shape[:2]
         for role in ("key", "value"):
             prefix = role[0]
             kwargs = {}
@@ -130,12 +136,11 @@ class QuantCodec(SlotCodec):
                 elif kind == "group":
                     kwargs[name] = blocks[key].reshape(-1, *blocks[key].shape[2:])
                 elif kind == "head":
-                    kwargs[name] = spec.to(next(iter(slots.values())).device)
+                    rows = {k: t.repeat_interleave(bs, 0) for k, t in row_scales.items()}  # one per slot
+                    kwargs[name] = self._token_scales(self.layout[role], rows, prefix, first.device)
                 else:
                     kwargs[name] = spec
             packed = self._packed_cls[role](**kwargs)
-            x = self.quantizer.dequantize(packed, torch.float32)
-            if self.two_level:
-                x = x * row_scales[prefix].repeat_interleave(bs, 0)[:, :, None]
+            x = self.quantizer.dequantize(packed, dtype)
             out.append(x.reshape(nblocks, bs, *x.shape[1:]))
         return out[0], out[1]
