@@ -154,3 +154,18 @@ def test_bad_values_are_recorded_at_encode_and_raised_by_check_errors(fmt):
     with pytest.raises(ValueError, match="encode: a call since the last check got NaN/inf input"):
         store.check_errors()
     store.check_errors()  # reported once
+
+
+def test_cache_raises_recorded_errors_at_the_next_forward(monkeypatch):
+    """The cache reads every layer's error flags with one synchronization per forward pass and
+    raises what an encode recorded; nothing is read while no codec records anything."""
+    model = tiny_model("llama", heads=2, kv_heads=1)
+    policy = Policy.from_preset("fp8")
+    cache = policy.make_cache(model)
+    prompts, ids, mask = left_padded([40])
+    greedy(model, ids, mask, 4, cache=cache)
+    cache.check_errors()  # finite input: nothing pending
+    codec = cache.layers[1].store.pools[next(iter(cache.layers[1].store.pools))].codec
+    codec.error_flags().fill_(1)  # as a kernel would after NaN input
+    with pytest.raises(ValueError, match="fp8 encode: a call since the last check got NaN/inf input"):
+        greedy(model, ids, mask, 2, cache=cache)

@@ -196,11 +196,14 @@ class KVComposeCache(Cache):
         """Raise for NaN/inf keys or values that quantized encoding recorded on the GPU.
 
         Encoding does not wait for the GPU to say whether its input was finite; the cache
-        asks once per forward pass (and :func:`~kvcompose.hf.generate.generate` at the end).
+        asks once per forward pass (and :func:`~kvcompose.hf.generate.generate` at the end),
+        reading every layer's flags with one host synchronization.
         """
-        for layer in self.layers:
-            if layer.store is not None:
-                layer.store.check_errors()
+        stores = [layer.store for layer in self.layers if layer.store is not None]
+        flags = [f for store in stores for f in store.error_flags()]
+        if flags and int(torch.stack([f.reshape(()) for f in flags]).amax()):
+            for store in stores:
+                store.check_errors()
 
     def time_phases(self, enabled: bool = True) -> None:
         """Measure wall time of attention, eviction and classifier refresh (synchronizes CUDA; slows decoding)."""

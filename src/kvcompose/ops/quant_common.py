@@ -594,6 +594,18 @@ def min_nan_tl(a, b):
 
 
 @jit
+def block_dequant_tile_tl(bs_ptr, s2_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
+                          ST: tl.constexpr):
+    """Start of a block-scaled dequantize program (NVFP4, ternary): ``(blk0, b, ok, scale)`` with
+    ``scale = E4M3 block scale * s2`` for the program's BLOCKS blocks ``blk0 + b``."""
+    blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
+    b = tl.arange(0, BLOCKS)
+    ok = b < n_blocks - blk0
+    s2 = tl.load(s2_ptr + scale_index_tl(blk0, b, NB, H, ST), mask=ok, other=1.0)
+    return blk0, b, ok, e4m3_decode_tl(tl.load(bs_ptr + blk0 + b, mask=ok, other=0)) * s2
+
+
+@jit
 def recip_tl(x):
     """``1 / x`` correctly rounded (IEEE division, as torch's ``1 / x``): kernels divide once
     per scale and multiply every value by the result, because a division per value costs

@@ -31,6 +31,7 @@ from .quant_common import (
     LAUNCH_OPTS,
     amax_tl,
     bad_scale_tl,
+    block_dequant_tile_tl,
     block_scale_code_tl,
     block_scale_e4m3,
     cdiv,
@@ -40,7 +41,6 @@ from .quant_common import (
     e2m1_encode,
     e2m1_encode_tl,
     e4m3_decode,
-    e4m3_decode_tl,
     e4m3_encode,
     jit,
     max_nan_tl,
@@ -109,11 +109,7 @@ def _nvfp4_dequantize_kernel(
     code_ptr, bs_ptr, s2_ptr, out_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
     ST: tl.constexpr, OUT: tl.constexpr,
 ):
-    blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
-    b = tl.arange(0, BLOCKS)
-    ok = b < n_blocks - blk0
-    s2 = tl.load(s2_ptr + scale_index_tl(blk0, b, NB, H, ST), mask=ok, other=1.0)
-    scale = e4m3_decode_tl(tl.load(bs_ptr + blk0 + b, mask=ok, other=0)) * s2
+    blk0, b, ok, scale = block_dequant_tile_tl(bs_ptr, s2_ptr, n_blocks, H, NB, BLOCKS, ST)
     src = b[:, None] * 8 + tl.arange(0, 8)[None, :]
     packed = tl.load(code_ptr + blk0 * 8 + src, mask=ok[:, None], other=0).to(tl.int32)
     # byte i holds elements 2i (low nibble) and 2i + 1: shift each byte twice, then flatten

@@ -42,12 +42,12 @@ from .quant_common import (
     LAUNCH_OPTS,
     amax_tl,
     bad_scale_tl,
+    block_dequant_tile_tl,
     block_scale_code_tl,
     block_scale_e4m3,
     cdiv,
     check_scale_shape,
     e4m3_decode,
-    e4m3_decode_tl,
     e4m3_encode,
     jit,
     max_nan_tl,
@@ -275,11 +275,7 @@ def _ternary_dequantize_kernel(
     word_ptr, bs_ptr, s2_ptr, out_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
     ST: tl.constexpr, OUT: tl.constexpr,
 ):
-    blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
-    b = tl.arange(0, BLOCKS)
-    ok = b < n_blocks - blk0
-    s2 = tl.load(s2_ptr + scale_index_tl(blk0, b, NB, H, ST), mask=ok, other=1.0)
-    scale = e4m3_decode_tl(tl.load(bs_ptr + blk0 + b, mask=ok, other=0)) * s2
+    blk0, b, ok, scale = block_dequant_tile_tl(bs_ptr, s2_ptr, n_blocks, H, NB, BLOCKS, ST)
     word = tl.load(word_ptr + blk0 + b, mask=ok, other=0)
     code = (word[:, None] >> (2 * tl.arange(0, 16))[None, :]) & 3
     neg = (scale.to(tl.int32, bitcast=True) | (-2147483647 - 1)).to(tl.float32, bitcast=True)  # -scale, sign bit set

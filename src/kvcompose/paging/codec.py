@@ -40,6 +40,11 @@ class SlotCodec:
         """Raise for bad input that earlier :meth:`encode` calls only recorded (formats that check
         on the device defer the check so that encoding never waits for the GPU); default: none."""
 
+    def error_flags(self) -> torch.Tensor | None:
+        """The device tensor :meth:`check_errors` reads (non-zero: an error is pending), so a caller
+        can test many codecs with one host synchronization; None if the codec records nothing."""
+        return None
+
     def row_scale_layout(self, heads: int) -> dict[str, int]:
         """Per-sequence scales the store keeps (``{name: heads}``), fixed at a sequence's first encode."""
         return {}

@@ -261,6 +261,10 @@ class LayerStore:
         for pool in self.pools.values():
             pool.codec.check_errors()
 
+    def error_flags(self) -> list[torch.Tensor]:
+        """The device error flags of this layer's codecs (see :meth:`SlotCodec.error_flags`)."""
+        return [f for f in (pool.codec.error_flags() for pool in self.pools.values()) if f is not None]
+
     def memory(self) -> dict[str, int]:
         """Bytes this layer holds, split by what they are for."""
         pools = self.pools.values()

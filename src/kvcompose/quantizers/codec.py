@@ -97,6 +97,9 @@ class QuantCodec(SlotCodec):
             self._flags = new_flags(device)
         return self._flags
 
+    def error_flags(self) -> torch.Tensor | None:
+        return self._flags
+
     def check_errors(self) -> None:
         if self._flags is not None and flag_bits(self._flags):
             flags, self._flags = self._flags, None
