@@ -29,9 +29,16 @@ non-finite head scale and (INT with fp16 scales) values beyond the fp16 range ar
 detected inside the quantize kernel, which sets bits of a one-element flag tensor
 (:data:`FLAG_NONFINITE`, :data:`FLAG_BAD_SCALE`, :data:`FLAG_RANGE`). The op reads the
 flag once after the launch and raises the same errors as the torch path
-(:func:`raise_on_flags`). When the per-head scale must be computed from ``x``, one
-Triton pass finds the per-head amax (:func:`head_amax_triton`) instead of torch's
-two reductions.
+(:func:`raise_on_flags`); a caller that passes its own flag tensor (``flags=``, from
+:func:`new_flags`) gets no synchronization at all and raises later with
+:func:`check_flags`. NaN/inf are found from each block's or group's amax or extremes,
+computed with NaN-propagating reductions the format needs anyway.
+
+Values are never divided one by one: a kernel takes the correctly rounded reciprocal of
+each scale once (:func:`recip_tl`, :func:`reciprocal`) and multiplies, because a
+division per value costs more than moving the value through memory. When the per-head
+scale must be computed from ``x``, one Triton pass finds the per-head amax
+(:func:`head_amax_triton`) instead of torch's two reductions.
 """
 
 from __future__ import annotations
