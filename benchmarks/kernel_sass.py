@@ -1,0 +1,141 @@
+"""Compile the quantization kernels for sm_90 without a GPU and count SASS instructions per value.
+
+A development tool, not a benchmark: the Triton wheel carries ``ptxas`` and
+``cuobjdump``, so any machine with Triton installed can compile the kernels for a
+Hopper target and read the machine code. Two uses:
+
+- **Compile check.** ``TRITON_INTERPRET=1`` tests run the kernels as Python, which
+  accepts things the compiler rejects (for example a helper whose two ``return``
+  statements have different integer types). Compiling every kernel at every
+  ``constexpr`` variant the library launches catches those before a GPU run.
+- **Cost model.** The quantize kernels are bound by arithmetic per value, not memory;
+  the static instruction count per value ranked every launch shape and code change
+  the way the H200 did (session 2 notes). Shared memory > 0 means a layout conversion
+  (values exchanged between threads through shared memory).
+
+    python benchmarks/kernel_sass.py            # every kernel, per-head and per-token scales
+    python benchmarks/kernel_sass.py --top 12   # also the most frequent instruction kinds
+
+Written against Triton 3.9's ``ASTSource``/``triton.compile``; other versions may
+need small changes. Needs ``TRITON_INTERPRET`` unset (it is cleared here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"  # kernels must be JIT functions, not interpreted ones
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.disasm import get_sass  # noqa: E402
+
+from kvcompose.ops import quant_fp8, quant_int, quant_nvfp4, quant_ternary  # noqa: E402
+
+H, D = 8, 128  # Llama-3-8B KV shape
+
+
+def compile_for_hopper(fn, signature: dict, constexprs: dict, num_warps: int, aligned_ints=()):
+    """Compile ``fn`` for sm_90 with 16-byte aligned pointers (as the JIT would specialize them)."""
+    names = list(signature)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if signature[n].startswith("*") or n in aligned_ints}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": num_warps, "enable_fp_fusion": False}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sass_ops(kernel) -> list[str]:
+    ops = []
+    for line in get_sass(kernel.asm["cubin"]).splitlines():
+        if "\t" not in line:
+            continue
+        op = line.split("\t", 1)[1].strip()
+        if op.startswith("@"):
+            op = op.split(None, 1)[1]
+        ops.append(op.split()[0].rstrip(";"))
+    return ops
+
+
+def kernels(st: int):
+    """(name, jit function, signature, constexprs, warps, values per program) for one scale layout."""
+    blk = {"H": "constexpr", "NB": "constexpr", "BLOCKS": "constexpr", "ST": "constexpr"}
+    nb = D // 16
+    yield ("fp8 quantize", quant_fp8._fp8_quantize_kernel,
+           {"x_ptr": "*bf16", "scale_ptr": "*fp32", "code_ptr": "*u8", "flag_ptr": "*i32", "n_rows": "i32",
+            "H": "constexpr", "D": "constexpr", "BD": "constexpr", "ROWS": "constexpr", "ST": "constexpr",
+            "HW": "constexpr"},
+           {"H": H, "D": D, "BD": D, "ROWS": quant_fp8.QUANT_TILE // D, "ST": st, "HW": True},
+           quant_fp8.QUANT_WARPS, quant_fp8.QUANT_TILE)
+    yield ("fp8 dequantize", quant_fp8._fp8_dequantize_kernel,
+           {"code_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*i16", "n_rows": "i32", "H": "constexpr",
+            "D": "constexpr", "BD": "constexpr", "ROWS": "constexpr", "ST": "constexpr", "OUT": "constexpr",
+            "HW": "constexpr"},
+           {"H": H, "D": D, "BD": D, "ROWS": quant_fp8.DEQUANT_TILE // D, "ST": st, "OUT": 1, "HW": True},
+           quant_fp8.DEQUANT_WARPS, quant_fp8.DEQUANT_TILE)
+    yield ("nvfp4 quantize", quant_nvfp4._nvfp4_quantize_kernel,
+           {"x_ptr": "*bf16", "s2_ptr": "*fp32", "code_ptr": "*u8", "bs_ptr": "*u8", "flag_ptr": "*i32",
+            "n_blocks": "i32", **blk},
+           {"H": H, "NB": nb, "BLOCKS": quant_nvfp4.TILE_BLOCKS, "ST": st},
+           quant_nvfp4.QUANT_WARPS, 16 * quant_nvfp4.TILE_BLOCKS)
+    yield ("nvfp4 dequantize", quant_nvfp4._nvfp4_dequantize_kernel,
+           {"code_ptr": "*u8", "bs_ptr": "*u8", "s2_ptr": "*fp32", "out_ptr": "*i16", "n_blocks": "i32", **blk,
+            "OUT": "constexpr"},
+           {"H": H, "NB": nb, "BLOCKS": quant_nvfp4.DEQUANT_TILE_BLOCKS, "ST": st, "OUT": 1},
+           quant_nvfp4.DEQUANT_WARPS, 16 * quant_nvfp4.DEQUANT_TILE_BLOCKS)
+    yield ("ternary quantize", quant_ternary._ternary_quantize_kernel,
+           {"x_ptr": "*bf16", "s2_ptr": "*fp32", "word_ptr": "*i32", "bs_ptr": "*u8", "flag_ptr": "*i32",
+            "n_blocks": "i32", **blk},
+           {"H": H, "NB": nb, "BLOCKS": quant_ternary.QUANT_TILE, "ST": st},
+           quant_ternary.QUANT_WARPS, 16 * quant_ternary.QUANT_TILE)
+    yield ("ternary dequantize", quant_ternary._ternary_dequantize_kernel,
+           {"word_ptr": "*i32", "bs_ptr": "*u8", "s2_ptr": "*fp32", "out_ptr": "*i16", "n_blocks": "i32", **blk,
+            "OUT": "constexpr"},
+           {"H": H, "NB": nb, "BLOCKS": quant_ternary.DEQUANT_TILE, "ST": st, "OUT": 1},
+           quant_ternary.DEQUANT_WARPS, 16 * quant_ternary.DEQUANT_TILE)
+    if st:
+        return  # INT formats have no second-level scale
+    for bits in (4, 2):
+        values, warps = quant_int.TOKEN_QUANT
+        yield (f"int{bits} token quantize", quant_int._int_token_quantize_kernel,
+               {"x_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp16", "lo_ptr": "*fp16", "flag_ptr": "*i32",
+                "n_groups": "i32", "GS": "constexpr", "BITS": "constexpr", "HALF": "constexpr",
+                "GROUPS": "constexpr", "BG": "constexpr"},
+               {"GS": D, "BITS": bits, "HALF": True, "GROUPS": values // D, "BG": D}, warps, values)
+        yield (f"int{bits} channel quantize (KIVI keys)", quant_int._int_channel_quantize_kernel,
+               {"x_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp16", "lo_ptr": "*fp16", "flag_ptr": "*i32",
+                "N": "i32", "H": "constexpr", "D": "constexpr", "G": "constexpr", "BITS": "constexpr",
+                "HALF": "constexpr", "BLOCK_G": "constexpr", "BD": "constexpr"},
+               {"H": H, "D": D, "G": 32, "BITS": bits, "HALF": True, "BLOCK_G": 32, "BD": D},
+               quant_int.CHANNEL_QUANT_WARPS, 32 * D)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--top", type=int, default=0, help="also list the N most frequent instruction kinds")
+    args = ap.parse_args(argv)
+    failed = 0
+    for st, layout in ((0, "per-head scale"), (H, "per-token scale")):
+        for name, fn, sig, consts, warps, values in kernels(st):
+            label = f"{name} ({layout})" if "int" not in name else name
+            try:
+                kernel = compile_for_hopper(fn, sig, consts, warps, aligned_ints=[n for n in sig if sig[n] == "i32"])
+            except Exception as exc:  # noqa: BLE001 - report every kernel, then fail
+                failed += 1
+                print(f"{label}: DOES NOT COMPILE: {str(exc).splitlines()[-1]}")
+                continue
+            ops = sass_ops(kernel)
+            threads = 32 * kernel.metadata.num_warps
+            print(f"{label:45s} {len(ops) * threads / values:5.1f} instr/value (static), "
+                  f"{values // threads} values/thread, shared {kernel.metadata.shared} B")
+            if args.top:
+                print("    ", collections.Counter(o.split(".")[0] for o in ops).most_common(args.top))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
