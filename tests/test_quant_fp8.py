@@ -8,32 +8,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kvcompose.ops import quant_fp8 as ops  # noqa: E402
-from kvcompose.ops.quant_common import HAS_TRITON, interpreted  # noqa: E402
+from quant_data import gpu, make, rel_err, same_bits  # noqa: E402
+from quant_data import needs_interpreter as needs_interpreter_for  # noqa: E402
 
-needs_interpreter = pytest.mark.skipif(
-    not HAS_TRITON or not interpreted(ops._fp8_quantize_kernel),
-    reason="kvcompose kernels were defined without TRITON_INTERPRET=1 (set it before kvcompose is imported)",
-)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def make(kind, shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    if kind == "outlier":  # one channel 20x larger, as in real keys
-        x[:, :, 3] *= 20
-    elif kind == "wide":  # exponents over ~28 octaves, plus zero blocks
-        x = x * torch.exp2(torch.randint(-20, 8, shape, generator=g).float())
-        x[::3, :, :16] = 0
-    return x.to(dtype)
-
-
-def rel_err(x, y):
-    return ((x.float() - y.float()).norm() / x.float().norm()).item()
-
-
-def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+needs_interpreter = needs_interpreter_for(ops._fp8_quantize_kernel)
 
 
 def check_backends_agree(x, scale=None):

@@ -8,33 +8,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kvcompose.ops import quant_int as ops  # noqa: E402
-from kvcompose.ops.quant_common import HAS_TRITON, interpreted, unpack_codes  # noqa: E402
+from kvcompose.ops.quant_common import unpack_codes  # noqa: E402
+from quant_data import gpu, make, rel_err, same_bits  # noqa: E402
+from quant_data import needs_interpreter as needs_interpreter_for  # noqa: E402
 
-needs_interpreter = pytest.mark.skipif(
-    not HAS_TRITON or not interpreted(ops._int_token_quantize_kernel),
-    reason="kvcompose kernels were defined without TRITON_INTERPRET=1 (set it before kvcompose is imported)",
-)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_interpreter = needs_interpreter_for(ops._int_token_quantize_kernel)
 F16, F32 = torch.float16, torch.float32
 
 
-def make(kind, shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    if kind == "outlier":  # one channel 20x larger, as in real keys
-        x[:, :, 3] *= 20
-    elif kind == "wide":  # exponents over ~24 octaves, plus zero groups
-        x = x * torch.exp2(torch.randint(-16, 8, shape, generator=g).float())
-        x[::3, :, :16] = 0
-    return x.to(dtype)
-
-
-def rel_err(x, y):
-    return ((x.float() - y.float()).norm() / x.float().norm()).item()
-
-
-def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+def make_int(kind, shape, dtype=torch.float32, seed=0):
+    return make(kind, shape, dtype, seed, octaves=(-16, 8))  # zero groups, ~24 octaves
 
 
 def check_tokens(x, bits, gs, sdt):
@@ -67,7 +50,7 @@ def check_channels(x, bits, g, sdt):
     ],
 )
 def test_token_kernel_matches_reference(shape, dtype, kind, bits, gs, sdt):
-    check_tokens(make(kind, shape, dtype), bits, gs, sdt)
+    check_tokens(make_int(kind, shape, dtype), bits, gs, sdt)
 
 
 @needs_interpreter
@@ -81,12 +64,12 @@ def test_token_kernel_matches_reference(shape, dtype, kind, bits, gs, sdt):
     ],
 )
 def test_channel_kernel_matches_reference(shape, dtype, kind, bits, g, sdt):
-    check_channels(make(kind, shape, dtype), bits, g, sdt)
+    check_channels(make_int(kind, shape, dtype), bits, g, sdt)
 
 
 @needs_interpreter
 def test_kernels_match_reference_non_contiguous():
-    x = make("wide", (2, 9, 64)).transpose(0, 1)
+    x = make_int("wide", (2, 9, 64)).transpose(0, 1)
     assert not x.is_contiguous()
     check_tokens(x, 4, 32, F16)
     check_channels(x, 2, 4, F16)
@@ -101,7 +84,7 @@ def test_exact_grid_values_reconstruct_exactly():
 
 
 def test_constant_and_zero_groups_are_exact_with_scale_one():
-    x = make("gauss", (8, 2, 32))
+    x = make_int("gauss", (8, 2, 32))
     x[:, 0, :16] = 0
     x[:, 1, :16] = 0.75
     codes, scale, lo = ops.int_quantize_tokens(x, 2, 16, backend="torch")
@@ -115,7 +98,7 @@ def test_constant_and_zero_groups_are_exact_with_scale_one():
 
 
 def test_channel_groups_cover_a_short_last_group():
-    x = make("gauss", (10, 2, 16))
+    x = make_int("gauss", (10, 2, 16))
     codes, scale, lo = ops.int_quantize_channels(x, 8, 4, backend="torch")
     assert scale.shape == (3, 2, 16) and codes.shape == (10, 2, 16)
     assert torch.equal(lo[2].float(), x[8:].amin(0).half().float())
@@ -129,7 +112,7 @@ def test_channel_groups_cover_a_short_last_group():
 )
 def test_token_roundtrip_error(bits, gauss_bound, outlier_bound):
     for kind, bound in (("gauss", gauss_bound), ("outlier", outlier_bound)):
-        x = make(kind, (256, 4, 128), seed=1)
+        x = make_int(kind, (256, 4, 128), seed=1)
         y = ops.int_dequantize_tokens(*ops.int_quantize_tokens(x, bits, backend="torch"), bits, backend="torch")
         assert rel_err(x, y) < bound, kind
 
@@ -138,30 +121,30 @@ def test_token_roundtrip_error(bits, gauss_bound, outlier_bound):
 def test_channel_roundtrip_error_and_outlier_channel(bits, bound):
     # measured (G = 32) 0.392 / 0.078 / 0.0046 on Gaussian and on outlier keys alike
     for kind in ("gauss", "outlier"):
-        x = make(kind, (256, 4, 128), seed=1)
+        x = make_int(kind, (256, 4, 128), seed=1)
         packed = ops.int_quantize_channels(x, bits, 32, backend="torch")
         y = ops.int_dequantize_channels(*packed, bits, 32, backend="torch")
         assert rel_err(x, y) < bound, kind
     # the point of KIVI keys: an outlier channel hurts per-token groups, not per-channel ones
-    x = make("outlier", (256, 4, 128), seed=1)
+    x = make_int("outlier", (256, 4, 128), seed=1)
     per_token = ops.int_dequantize_tokens(*ops.int_quantize_tokens(x, bits, backend="torch"), bits, backend="torch")
     assert rel_err(x, y) < rel_err(x, per_token) * 0.6
 
 
 def test_errors_name_the_problem():
-    x = make("gauss", (4, 2, 32))
+    x = make_int("gauss", (4, 2, 32))
     x[0, 0, 0] = float("inf")
     with pytest.raises(ValueError, match=r"int4: input has 1 NaN/inf value"):
         ops.int_quantize_tokens(x, 4)
     with pytest.raises(ValueError, match=r"bits=3 is not supported; accepted: 2, 4, 8"):
-        ops.int_quantize_tokens(make("gauss", (4, 2, 32)), 3)
+        ops.int_quantize_tokens(make_int("gauss", (4, 2, 32)), 3)
     with pytest.raises(ValueError, match=r"group_size 12 must divide head_dim 32"):
-        ops.int_quantize_tokens(make("gauss", (4, 2, 32)), 4, 12)
+        ops.int_quantize_tokens(make_int("gauss", (4, 2, 32)), 4, 12)
     with pytest.raises(ValueError, match=r"head_dim 30 is not a positive multiple of 4"):
-        ops.int_quantize_channels(make("gauss", (4, 2, 30)), 2)
+        ops.int_quantize_channels(make_int("gauss", (4, 2, 30)), 2)
     with pytest.raises(ValueError, match=r"float16 range .* use scale_dtype=torch.float32"):
-        ops.int_quantize_tokens(make("gauss", (4, 2, 32)) * 1e5, 4)
-    big = make("gauss", (4, 2, 32)) * 1e5
+        ops.int_quantize_tokens(make_int("gauss", (4, 2, 32)) * 1e5, 4)
+    big = make_int("gauss", (4, 2, 32)) * 1e5
     packed = ops.int_quantize_tokens(big, 8, scale_dtype=F32, backend="torch")
     y = ops.int_dequantize_tokens(*packed, 8, backend="torch")
     assert rel_err(big, y) < 0.01
@@ -173,7 +156,7 @@ def test_errors_name_the_problem():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["gauss", "outlier", "wide"])
 def test_cuda_kernels_match_reference(bits, dtype, kind):
-    x = make(kind, (1000, 8, 128), dtype, seed=3)
+    x = make_int(kind, (1000, 8, 128), dtype, seed=3)
     xc = x.cuda()
     for gs, sdt in ((None, F16), (32, F32)):
         cpu = ops.int_quantize_tokens(x, bits, gs, sdt, backend="torch")
@@ -184,7 +167,7 @@ def test_cuda_kernels_match_reference(bits, dtype, kind):
         d_tri = ops.int_dequantize_tokens(*tri, bits, backend="triton")
         assert same_bits(d_tri, ops.int_dequantize_tokens(*ref, bits, backend="torch"))
         assert same_bits(d_tri.cpu(), ops.int_dequantize_tokens(*cpu, bits, backend="torch"))
-    odd = make(kind, (333, 3, 96), dtype, seed=5)
+    odd = make_int(kind, (333, 3, 96), dtype, seed=5)
     for g, sdt in ((32, F16), (12, F32)):
         cpu = ops.int_quantize_channels(odd, bits, g, sdt, backend="torch")
         oc = odd.cuda().transpose(0, 1).contiguous().transpose(0, 1)

@@ -244,6 +244,27 @@ def quantize_two_level(x, scale, backend, flags, *, fmt: str, divisor: float, mu
     return codes, scale
 
 
+def dequantize_block_scaled(codes, block_scales, s2, dtype, backend, *, fmt: str, codes_per_byte: int, kernel,
+                            reference, launch) -> torch.Tensor:
+    """Checks and dispatch shared by the decoders of NVFP4 and ternary (codes ``[N, H, D / codes_per_byte]``,
+    E4M3 block scales ``[N, H, D/16]``, ``s2`` ``[H]`` or ``[N, H]``)."""
+    per_block = 16 // codes_per_byte  # code bytes per 16-value block
+    if codes.dtype != torch.uint8 or codes.dim() != 3 or codes.shape[2] % per_block:
+        raise ValueError(f"{fmt}: codes must be uint8 [N, H, D/{codes_per_byte}] with D % 16 == 0, "
+                         f"got {codes.dtype} {tuple(codes.shape)}")
+    n, h = codes.shape[:2]
+    expected = (n, h, codes.shape[2] // per_block)
+    if block_scales.shape != expected or block_scales.dtype != torch.uint8:
+        raise ValueError(f"{fmt}: block_scales must be uint8 {expected}, got {tuple(block_scales.shape)}")
+    check_scale_shape(s2, n, h, fmt, "s2")
+    s2 = s2.to(torch.float32).contiguous()
+    if use_triton(codes, kernel, backend):
+        out = launch(codes, block_scales, s2, dtype)
+    else:
+        out = reference(codes, block_scales, s2)
+    return out.to(dtype)
+
+
 def flag_bits(flags: torch.Tensor) -> int:
     return int((flags if flags.numel() == 1 else flags[-1]).item())
 

@@ -35,7 +35,7 @@ from .quant_common import (
     block_scale_code_tl,
     block_scale_e4m3,
     cdiv,
-    check_scale_shape,
+    dequantize_block_scaled,
     e2m1_decode,
     e2m1_decode_tl,
     e2m1_encode,
@@ -58,7 +58,6 @@ from .quant_common import (
     tl,
     token_stride,
     unpack_codes,
-    use_triton,
 )
 
 FORMAT = "nvfp4"
@@ -200,16 +199,6 @@ def nvfp4_dequantize(
     backend: str | None = None,
 ) -> torch.Tensor:
     """Decode packed NVFP4 data to ``[N, H, D]`` values of ``dtype``."""
-    n, h = codes.shape[:2]
-    if codes.dtype != torch.uint8 or codes.dim() != 3 or codes.shape[2] % 8:
-        raise ValueError(f"{FORMAT}: codes must be uint8 [N, H, D/2] with D % 16 == 0, got {tuple(codes.shape)}")
-    if block_scales.shape != (n, h, codes.shape[2] // 8) or block_scales.dtype != torch.uint8:
-        expected = (n, h, codes.shape[2] // 8)
-        raise ValueError(f"{FORMAT}: block_scales must be uint8 {expected}, got {tuple(block_scales.shape)}")
-    check_scale_shape(s2, n, h, FORMAT, "s2")
-    s2 = s2.to(torch.float32).contiguous()
-    if use_triton(codes, _nvfp4_dequantize_kernel, backend):
-        out = nvfp4_dequantize_triton(codes, block_scales, s2, dtype)
-    else:
-        out = nvfp4_dequantize_torch(codes, block_scales, s2)
-    return out.to(dtype)
+    return dequantize_block_scaled(codes, block_scales, s2, dtype, backend, fmt=FORMAT, codes_per_byte=2,
+                                   kernel=_nvfp4_dequantize_kernel, reference=nvfp4_dequantize_torch,
+                                   launch=nvfp4_dequantize_triton)

@@ -46,7 +46,7 @@ from .quant_common import (
     block_scale_code_tl,
     block_scale_e4m3,
     cdiv,
-    check_scale_shape,
+    dequantize_block_scaled,
     e4m3_decode,
     e4m3_encode,
     jit,
@@ -63,7 +63,6 @@ from .quant_common import (
     tl,
     token_stride,
     unpack_codes,
-    use_triton,
 )
 
 FORMAT = "ternary"
@@ -365,16 +364,6 @@ def ternary_dequantize(
     backend: str | None = None,
 ) -> torch.Tensor:
     """Decode packed ternary data to ``[N, H, D]`` values of ``dtype``."""
-    n, h = codes.shape[:2]
-    if codes.dtype != torch.uint8 or codes.dim() != 3 or codes.shape[2] % 4:
-        raise ValueError(f"{FORMAT}: codes must be uint8 [N, H, D/4] with D % 16 == 0, got {tuple(codes.shape)}")
-    if block_scales.shape != (n, h, codes.shape[2] // 4) or block_scales.dtype != torch.uint8:
-        expected = (n, h, codes.shape[2] // 4)
-        raise ValueError(f"{FORMAT}: block_scales must be uint8 {expected}, got {tuple(block_scales.shape)}")
-    check_scale_shape(s2, n, h, FORMAT, "s2")
-    s2 = s2.to(torch.float32).contiguous()
-    if use_triton(codes, _ternary_dequantize_kernel, backend):
-        out = ternary_dequantize_triton(codes, block_scales, s2, dtype)
-    else:
-        out = ternary_dequantize_torch(codes, block_scales, s2)
-    return out.to(dtype)
+    return dequantize_block_scaled(codes, block_scales, s2, dtype, backend, fmt=FORMAT, codes_per_byte=4,
+                                   kernel=_ternary_dequantize_kernel, reference=ternary_dequantize_torch,
+                                   launch=ternary_dequantize_triton)
