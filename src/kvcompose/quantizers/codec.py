@@ -139,8 +139,8 @@ class QuantCodec(SlotCodec):
                 elif kind == "group":
                     kwargs[name] = blocks[key].reshape(-1, *blocks[key].shape[2:])
                 elif kind == "head":
-                    rows = {k: t.repeat_interleave(bs, 0) for k, t in row_scales.items()}  # one per slot
-                    kwargs[name] = self._token_scales(self.layout[role], rows, prefix, first.device)
+                    per_slot = {prefix: row_scales[prefix].repeat_interleave(bs, 0)}  # a row's scale for each slot
+                    kwargs[name] = self._token_scales(self.layout[role], per_slot, prefix, first.device)
                 else:
                     kwargs[name] = spec
             packed = self._packed_cls[role](**kwargs)
