@@ -8,14 +8,12 @@ Format, for ``x`` of shape ``[N, H, D]`` with ``D % 16 == 0`` (all arithmetic fp
   magnitudes ``a_i``, coding the set S of largest magnitudes as ``+-alpha`` and the
   rest as 0 has squared error ``sum(a^2) - (sum_S a)^2 / |S|`` at the best
   ``alpha = mean_S(a)``, so the rule picks the S (a "largest k" set, k = 1..16)
-  that maximises ``(sum_S a)^2 / |S|``. To make that exact and independent of
-  summation order, magnitudes are measured in fixed point first:
-  ``u_i = floor(a_i * (2^20 / block_amax))`` (the reciprocal once per block, IEEE
-  division; integers held in fp32, whose sums of 16 are exact). Candidate ``j`` is
-  ``S_j = {i : u_i >= u_j}`` with score ``fp32(sum_Sj u)^2 * fp32(1 / |S_j|)`` (a
-  multiply by the rounded reciprocal of the count, so no division per candidate); the
-  best score wins, ties go to the largest threshold ``u_j`` (fewest non-zeros). Then
-  ``alpha = sum_S u / (|S| * 2^20) * block_amax`` and
+  that maximises ``(sum_S a)^2 / |S|``. In fp32, in a fixed order: sort the
+  magnitudes in descending order ``v_1 >= ... >= v_16``, take running sums
+  ``P_k = P_(k-1) + v_k`` (one addition per candidate, in order), and score candidate
+  ``k`` as ``alpha_k * P_k`` with ``alpha_k = P_k * fp32(1 / k)`` (a multiply by the
+  rounded reciprocal of the count, no division). The highest score wins, the smallest
+  ``k`` on ties (fewest non-zeros), and ``alpha = alpha_k`` of the winner. Then
   ``bs = E4M3(alpha / s2)`` (saturating; all-zero block -> 1; a non-zero block
   whose scale rounds to 0 -> 2^-9). Compared with the usual fixed-threshold rule
   (threshold 0.7 * mean|x|) this matters most for outliers: a block with one large
@@ -40,7 +38,6 @@ import torch
 from .quant_common import (
     E4M3_MAX,
     LAUNCH_OPTS,
-    amax_tl,
     bad_scale_tl,
     block_dequant_tile_tl,
     block_scale_code_tl,
@@ -49,8 +46,8 @@ from .quant_common import (
     dequantize_block_scaled,
     e4m3_decode,
     e4m3_encode,
+    interpreted,
     jit,
-    max_nan_tl,
     new_flags,
     nonfinite_tl,
     out_buffer,
@@ -67,43 +64,34 @@ from .quant_common import (
 
 FORMAT = "ternary"
 BLOCK = 16
-FIXED_ONE = 1048576.0  # 2^20: fixed-point unit of a magnitude relative to its block max
 COUNT_RECIPROCALS = [1.0 / k for k in range(1, BLOCK + 1)]  # fp32(1 / |S|) of the scores
-QUANT_TILE = 128  # blocks per quantize program
+QUANT_TILE = 128  # blocks per quantize program: one per thread
 QUANT_WARPS = 4
+NATIVE_COMPARE = True  # compiled kernels decide codes in the input's 16-bit dtype (see _ternary_codes)
 DEQUANT_TILE = 512  # blocks per dequantize program: 8192 values
 DEQUANT_WARPS = 4
 
 
 def ternary_block_scale(x: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     """Reference block scales (fp32 values, ``[N, H, D/16]``) of fp32 ``x`` ``[N, H, D/16, 16]``."""
-    a = x.abs()
-    block_amax = a.amax(dim=-1)
-    safe = torch.where(block_amax > 0, block_amax, torch.ones_like(block_amax))
-    u = torch.floor(a * (torch.full_like(safe, FIXED_ONE) / safe)[..., None])
-    ge = u[..., :, None] >= u[..., None, :]  # [..., i, j]: element i belongs to candidate set j
-    count = ge.sum(dim=-2)
-    total = (u[..., :, None] * ge).sum(dim=-2)  # integers below 2^24: exact in any order
+    a = x.abs().sort(dim=-1, descending=True).values
     rcp = torch.tensor(COUNT_RECIPROCALS, dtype=torch.float32, device=x.device)
-    score = total * total * rcp[count - 1]
-    best = score.amax(dim=-1, keepdim=True)
-    threshold = torch.where(score == best, u, torch.full_like(u, -1.0)).amax(dim=-1, keepdim=True)
-    chosen = u >= threshold
-    n_sel = chosen.sum(dim=-1).to(torch.float32)
-    s_sel = (u * chosen).sum(dim=-1)
-    alpha = s_sel / (n_sel * FIXED_ONE) * block_amax
-    return block_scale_e4m3(alpha / per_token(s2), block_amax)
+    total = a[..., 0]
+    best, alpha_best = total * total, total
+    for k in range(1, BLOCK):  # one fp32 addition per candidate, in order: the kernel's sums
+        total = total + a[..., k]
+        alpha = total * rcp[k]
+        score = alpha * total
+        take = score > best
+        best, alpha_best = torch.where(take, score, best), torch.where(take, alpha, alpha_best)
+    return block_scale_e4m3(alpha_best / per_token(s2), a[..., 0])
 
 
 # ---------------------------------------------------------------------------
-# Kernel scale search. Candidate set S_j = {i : u_i >= u_j} is the "largest k" set
-# whose k is the last position of u_j's tie group in the descending order. So: sort
-# each block's 16 magnitudes (a sorting network on 16 column vectors), walk the
-# prefix sums, and keep the best score among the positions that end a tie group,
-# the smaller k on equal scores. Each block lies in one thread (two [B, 8] halves
-# split into columns in registers), so the network is plain elementwise min/max.
-# Totals, counts and scores are the very numbers the reference computes (exact sums,
-# the same fp32 multiplies), so the result is identical.
+# Kernel scale search: each block lies in one thread (two [B, 8] halves split into
+# 16 column vectors in registers), a sorting network orders its magnitudes, and one
+# pass over the prefix sums keeps the best candidate. Same additions and multiplies,
+# in the same order, as the reference, so the result is identical.
 
 
 @jit
@@ -120,131 +108,155 @@ def _columns(v, B: tl.constexpr):
 
 
 @jit
-def _keep_best(best, k_best, s_best, total, k: tl.constexpr, ends):
-    """Candidate ``k`` (its prefix sum ``total``) replaces the best if it ends a tie group and scores higher."""
-    score = total * total * (1.0 / k)
-    take = ends & (score > best)
-    return tl.where(take, score, best), tl.where(take, k * 1.0, k_best), tl.where(take, total, s_best)
+def _exchange(a, b):
+    """Compare-exchange, larger first. NaN counts as larger than everything (the max keeps it,
+    the min drops it), so a block's NaN ends at the top, where the amax check sees it."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL), tl.minimum(a, b)
+
+
+@jit
+def _fp32(a, b, c, d, e, f, g, h):
+    return a.to(tl.float32), b.to(tl.float32), c.to(tl.float32), d.to(tl.float32), e.to(tl.float32), \
+        f.to(tl.float32), g.to(tl.float32), h.to(tl.float32)
+
+
+@jit
+def _candidate(total, best, alpha_best, k: tl.constexpr):
+    """Candidate ``k`` (prefix sum ``total``) replaces the best where it scores strictly higher."""
+    alpha = total * (1.0 / k)
+    score = alpha * total
+    take = score > best
+    return tl.where(take, score, best), tl.where(take, alpha, alpha_best)
 
 
 @jit
 def _ternary_scale_search(lo, hi, B: tl.constexpr):
-    """``(k, sum)`` of the best "largest k" set of each block; ``lo``/``hi``: its 16 magnitudes as two ``[B, 8]``."""
+    """``(alpha, amax)`` of each block: its least-squares scale and its largest magnitude (NaN if
+    it holds a NaN); ``lo``/``hi``: the block's 16 magnitudes as two ``[B, 8]``."""
     c0, c1, c2, c3, c4, c5, c6, c7 = _columns(lo, B)  # the network sorts any order of its inputs
     c8, c9, c10, c11, c12, c13, c14, c15 = _columns(hi, B)
-    # Batcher's odd-even merge sort of 16 (63 compare-exchanges), descending.
-    c0, c1 = tl.maximum(c0, c1), tl.minimum(c0, c1)
-    c2, c3 = tl.maximum(c2, c3), tl.minimum(c2, c3)
-    c0, c2 = tl.maximum(c0, c2), tl.minimum(c0, c2)
-    c1, c3 = tl.maximum(c1, c3), tl.minimum(c1, c3)
-    c1, c2 = tl.maximum(c1, c2), tl.minimum(c1, c2)
-    c4, c5 = tl.maximum(c4, c5), tl.minimum(c4, c5)
-    c6, c7 = tl.maximum(c6, c7), tl.minimum(c6, c7)
-    c4, c6 = tl.maximum(c4, c6), tl.minimum(c4, c6)
-    c5, c7 = tl.maximum(c5, c7), tl.minimum(c5, c7)
-    c5, c6 = tl.maximum(c5, c6), tl.minimum(c5, c6)
-    c0, c4 = tl.maximum(c0, c4), tl.minimum(c0, c4)
-    c2, c6 = tl.maximum(c2, c6), tl.minimum(c2, c6)
-    c2, c4 = tl.maximum(c2, c4), tl.minimum(c2, c4)
-    c1, c5 = tl.maximum(c1, c5), tl.minimum(c1, c5)
-    c3, c7 = tl.maximum(c3, c7), tl.minimum(c3, c7)
-    c3, c5 = tl.maximum(c3, c5), tl.minimum(c3, c5)
-    c1, c2 = tl.maximum(c1, c2), tl.minimum(c1, c2)
-    c3, c4 = tl.maximum(c3, c4), tl.minimum(c3, c4)
-    c5, c6 = tl.maximum(c5, c6), tl.minimum(c5, c6)
-    c8, c9 = tl.maximum(c8, c9), tl.minimum(c8, c9)
-    c10, c11 = tl.maximum(c10, c11), tl.minimum(c10, c11)
-    c8, c10 = tl.maximum(c8, c10), tl.minimum(c8, c10)
-    c9, c11 = tl.maximum(c9, c11), tl.minimum(c9, c11)
-    c9, c10 = tl.maximum(c9, c10), tl.minimum(c9, c10)
-    c12, c13 = tl.maximum(c12, c13), tl.minimum(c12, c13)
-    c14, c15 = tl.maximum(c14, c15), tl.minimum(c14, c15)
-    c12, c14 = tl.maximum(c12, c14), tl.minimum(c12, c14)
-    c13, c15 = tl.maximum(c13, c15), tl.minimum(c13, c15)
-    c13, c14 = tl.maximum(c13, c14), tl.minimum(c13, c14)
-    c8, c12 = tl.maximum(c8, c12), tl.minimum(c8, c12)
-    c10, c14 = tl.maximum(c10, c14), tl.minimum(c10, c14)
-    c10, c12 = tl.maximum(c10, c12), tl.minimum(c10, c12)
-    c9, c13 = tl.maximum(c9, c13), tl.minimum(c9, c13)
-    c11, c15 = tl.maximum(c11, c15), tl.minimum(c11, c15)
-    c11, c13 = tl.maximum(c11, c13), tl.minimum(c11, c13)
-    c9, c10 = tl.maximum(c9, c10), tl.minimum(c9, c10)
-    c11, c12 = tl.maximum(c11, c12), tl.minimum(c11, c12)
-    c13, c14 = tl.maximum(c13, c14), tl.minimum(c13, c14)
-    c0, c8 = tl.maximum(c0, c8), tl.minimum(c0, c8)
-    c4, c12 = tl.maximum(c4, c12), tl.minimum(c4, c12)
-    c4, c8 = tl.maximum(c4, c8), tl.minimum(c4, c8)
-    c2, c10 = tl.maximum(c2, c10), tl.minimum(c2, c10)
-    c6, c14 = tl.maximum(c6, c14), tl.minimum(c6, c14)
-    c6, c10 = tl.maximum(c6, c10), tl.minimum(c6, c10)
-    c2, c4 = tl.maximum(c2, c4), tl.minimum(c2, c4)
-    c6, c8 = tl.maximum(c6, c8), tl.minimum(c6, c8)
-    c10, c12 = tl.maximum(c10, c12), tl.minimum(c10, c12)
-    c1, c9 = tl.maximum(c1, c9), tl.minimum(c1, c9)
-    c5, c13 = tl.maximum(c5, c13), tl.minimum(c5, c13)
-    c5, c9 = tl.maximum(c5, c9), tl.minimum(c5, c9)
-    c3, c11 = tl.maximum(c3, c11), tl.minimum(c3, c11)
-    c7, c15 = tl.maximum(c7, c15), tl.minimum(c7, c15)
-    c7, c11 = tl.maximum(c7, c11), tl.minimum(c7, c11)
-    c3, c5 = tl.maximum(c3, c5), tl.minimum(c3, c5)
-    c7, c9 = tl.maximum(c7, c9), tl.minimum(c7, c9)
-    c11, c13 = tl.maximum(c11, c13), tl.minimum(c11, c13)
-    c1, c2 = tl.maximum(c1, c2), tl.minimum(c1, c2)
-    c3, c4 = tl.maximum(c3, c4), tl.minimum(c3, c4)
-    c5, c6 = tl.maximum(c5, c6), tl.minimum(c5, c6)
-    c7, c8 = tl.maximum(c7, c8), tl.minimum(c7, c8)
-    c9, c10 = tl.maximum(c9, c10), tl.minimum(c9, c10)
-    c11, c12 = tl.maximum(c11, c12), tl.minimum(c11, c12)
-    c13, c14 = tl.maximum(c13, c14), tl.minimum(c13, c14)
-    best = tl.full(c0.shape, -1.0, tl.float32)
-    k_best = tl.zeros(c0.shape, tl.float32)
-    s_best = tl.zeros(c0.shape, tl.float32)
+    # A 60 compare-exchange, 10-layer network for 16 inputs (descending).
+    c0, c13 = _exchange(c0, c13)
+    c1, c12 = _exchange(c1, c12)
+    c2, c15 = _exchange(c2, c15)
+    c3, c14 = _exchange(c3, c14)
+    c4, c8 = _exchange(c4, c8)
+    c5, c6 = _exchange(c5, c6)
+    c7, c11 = _exchange(c7, c11)
+    c9, c10 = _exchange(c9, c10)
+    c0, c5 = _exchange(c0, c5)
+    c1, c7 = _exchange(c1, c7)
+    c2, c9 = _exchange(c2, c9)
+    c3, c4 = _exchange(c3, c4)
+    c6, c13 = _exchange(c6, c13)
+    c8, c14 = _exchange(c8, c14)
+    c10, c15 = _exchange(c10, c15)
+    c11, c12 = _exchange(c11, c12)
+    c0, c1 = _exchange(c0, c1)
+    c2, c3 = _exchange(c2, c3)
+    c4, c5 = _exchange(c4, c5)
+    c6, c8 = _exchange(c6, c8)
+    c7, c9 = _exchange(c7, c9)
+    c10, c11 = _exchange(c10, c11)
+    c12, c13 = _exchange(c12, c13)
+    c14, c15 = _exchange(c14, c15)
+    c0, c2 = _exchange(c0, c2)
+    c1, c3 = _exchange(c1, c3)
+    c4, c10 = _exchange(c4, c10)
+    c5, c11 = _exchange(c5, c11)
+    c6, c7 = _exchange(c6, c7)
+    c8, c9 = _exchange(c8, c9)
+    c12, c14 = _exchange(c12, c14)
+    c13, c15 = _exchange(c13, c15)
+    c1, c2 = _exchange(c1, c2)
+    c3, c12 = _exchange(c3, c12)
+    c4, c6 = _exchange(c4, c6)
+    c5, c7 = _exchange(c5, c7)
+    c8, c10 = _exchange(c8, c10)
+    c9, c11 = _exchange(c9, c11)
+    c13, c14 = _exchange(c13, c14)
+    c1, c4 = _exchange(c1, c4)
+    c2, c6 = _exchange(c2, c6)
+    c5, c8 = _exchange(c5, c8)
+    c7, c10 = _exchange(c7, c10)
+    c9, c13 = _exchange(c9, c13)
+    c11, c14 = _exchange(c11, c14)
+    c2, c4 = _exchange(c2, c4)
+    c3, c6 = _exchange(c3, c6)
+    c9, c12 = _exchange(c9, c12)
+    c11, c13 = _exchange(c11, c13)
+    c3, c5 = _exchange(c3, c5)
+    c6, c8 = _exchange(c6, c8)
+    c7, c9 = _exchange(c7, c9)
+    c10, c12 = _exchange(c10, c12)
+    c3, c4 = _exchange(c3, c4)
+    c5, c6 = _exchange(c5, c6)
+    c7, c8 = _exchange(c7, c8)
+    c9, c10 = _exchange(c9, c10)
+    c11, c12 = _exchange(c11, c12)
+    c6, c7 = _exchange(c6, c7)
+    c8, c9 = _exchange(c8, c9)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _fp32(c0, c1, c2, c3, c4, c5, c6, c7)
+    c8, c9, c10, c11, c12, c13, c14, c15 = _fp32(c8, c9, c10, c11, c12, c13, c14, c15)
     total = c0
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 1, c0 != c1)
+    best = c0 * c0
+    alpha = c0
     total += c1
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 2, c1 != c2)
+    best, alpha = _candidate(total, best, alpha, 2)
     total += c2
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 3, c2 != c3)
+    best, alpha = _candidate(total, best, alpha, 3)
     total += c3
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 4, c3 != c4)
+    best, alpha = _candidate(total, best, alpha, 4)
     total += c4
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 5, c4 != c5)
+    best, alpha = _candidate(total, best, alpha, 5)
     total += c5
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 6, c5 != c6)
+    best, alpha = _candidate(total, best, alpha, 6)
     total += c6
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 7, c6 != c7)
+    best, alpha = _candidate(total, best, alpha, 7)
     total += c7
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 8, c7 != c8)
+    best, alpha = _candidate(total, best, alpha, 8)
     total += c8
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 9, c8 != c9)
+    best, alpha = _candidate(total, best, alpha, 9)
     total += c9
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 10, c9 != c10)
+    best, alpha = _candidate(total, best, alpha, 10)
     total += c10
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 11, c10 != c11)
+    best, alpha = _candidate(total, best, alpha, 11)
     total += c11
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 12, c11 != c12)
+    best, alpha = _candidate(total, best, alpha, 12)
     total += c12
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 13, c12 != c13)
+    best, alpha = _candidate(total, best, alpha, 13)
     total += c13
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 14, c13 != c14)
+    best, alpha = _candidate(total, best, alpha, 14)
     total += c14
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 15, c14 != c15)
+    best, alpha = _candidate(total, best, alpha, 15)
     total += c15
-    best, k_best, s_best = _keep_best(best, k_best, s_best, total, 16, c15 == c15)
-    return k_best, s_best
+    best, alpha = _candidate(total, best, alpha, 16)
+    return alpha, c0
 
 
 @jit
-def _ternary_codes(x, half, B: tl.constexpr):
-    """16-bit word per block of the 2-bit codes of ``x`` ``[B, 8]`` (element j in bits 2j, 2j + 1)."""
-    code = tl.where(x > half[:, None], 1, tl.where(x < 0.0 - half[:, None], 2, 0))
+def _ternary_codes(x, half, B: tl.constexpr, NATIVE: tl.constexpr):
+    """16-bit word per block of the 2-bit codes of ``x`` ``[B, 8]`` (element j in bits 2j, 2j + 1).
+
+    ``NATIVE`` (compiled kernels only) compares bf16/fp16 ``x`` in its own dtype against
+    ``half`` rounded down (toward zero: it is positive) to that dtype: a value of the
+    dtype exceeds the one exactly when it exceeds the other, and two values compare in one
+    packed instruction. The interpreter compares 16-bit floats as raw bits (wrong for
+    negatives, seen with Triton 3.9), so it widens to fp32 instead; same codes either way.
+    """
+    if NATIVE and x.dtype != tl.float32:
+        limit = half.to(x.dtype, fp_downcast_rounding="rtz")[:, None]
+    else:
+        x = x.to(tl.float32)
+        limit = half[:, None]
+    code = tl.where(x > limit, 1, tl.where(x < -limit, 2, 0))
     return tl.sum(code << (2 * tl.arange(0, 8))[None, :], axis=1)
 
 
 @jit
 def _ternary_quantize_kernel(
     x_ptr, s2_ptr, word_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
-    ST: tl.constexpr,
+    ST: tl.constexpr, NATIVE: tl.constexpr,
 ):
     # One program per tile of BLOCKS 16-value blocks, numbered flat over [N, H, D/16], each
     # loaded as two [block, 8] halves; the codes of a block are one int32 word.
@@ -253,17 +265,14 @@ def _ternary_quantize_kernel(
     ok = b < n_blocks - blk0
     s2 = tl.load(s2_ptr + scale_index_tl(blk0, b, NB, H, ST), mask=ok, other=1.0)
     offs = blk0 * 16 + b[:, None] * 16 + tl.arange(0, 8)[None, :]
-    lo = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-    hi = tl.load(x_ptr + offs + 8, mask=ok[:, None], other=0.0).to(tl.float32)
+    lo = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0)
+    hi = tl.load(x_ptr + offs + 8, mask=ok[:, None], other=0.0)
 
-    block_amax = max_nan_tl(amax_tl(lo, 1, False), amax_tl(hi, 1, False))
-    r = tl.div_rn(tl.full(block_amax.shape, 1048576.0, tl.float32), tl.where(block_amax > 0, block_amax, 1.0))
-    n_sel, s_sel = _ternary_scale_search(tl.floor(tl.abs(lo) * r[:, None]), tl.floor(tl.abs(hi) * r[:, None]), BLOCKS)
-    alpha = tl.div_rn(s_sel, n_sel * 1048576.0) * block_amax
+    alpha, block_amax = _ternary_scale_search(tl.abs(lo), tl.abs(hi), BLOCKS)
     bs_code, bs = block_scale_code_tl(tl.div_rn(alpha, s2), block_amax)
 
     half = (bs * s2) * 0.5
-    word = _ternary_codes(lo, half, BLOCKS) | (_ternary_codes(hi, half, BLOCKS) << 16)
+    word = _ternary_codes(lo, half, BLOCKS, NATIVE) | (_ternary_codes(hi, half, BLOCKS, NATIVE) << 16)
     tl.store(word_ptr + blk0 + b, word, mask=ok)
     tl.store(bs_ptr + blk0 + b, bs_code.to(tl.uint8), mask=ok)
     set_flag_tl(flag_ptr, nonfinite_tl(block_amax) | bad_scale_tl(s2))
@@ -308,6 +317,7 @@ def ternary_quantize_triton(
         grid = (cdiv(n_blocks, QUANT_TILE),)
         _ternary_quantize_kernel[grid](
             x, s2, codes.view(torch.int32), bs, flags, n_blocks, H=h, NB=nb, BLOCKS=QUANT_TILE, ST=token_stride(s2),
+            NATIVE=NATIVE_COMPARE and not interpreted(_ternary_quantize_kernel),
             num_warps=QUANT_WARPS, **LAUNCH_OPTS,
         )
     return codes, bs
