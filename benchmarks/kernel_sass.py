@@ -8,10 +8,14 @@ Hopper target and read the machine code. Two uses:
   accepts things the compiler rejects (for example a helper whose two ``return``
   statements have different integer types). Compiling every kernel at every
   ``constexpr`` variant the library launches catches those before a GPU run.
-- **Cost model.** The quantize kernels are bound by arithmetic per value, not memory;
-  the static instruction count per value ranked every launch shape and code change
-  the way the H200 did (session 2 notes). Shared memory > 0 means a layout conversion
-  (values exchanged between threads through shared memory).
+- **Cost model.** The quantize kernels are bound by instruction issue, not memory, and
+  mostly by Hopper's ALU pipe (integer, logic, compare, select and float min/max), which
+  takes a warp instruction every other cycle; fp32 add/multiply/FMA and IMAD go to the
+  FMA pipes. ncu on an H200 showed the ALU pipe 79-91% busy in the NVFP4, ternary and
+  INT2 quantize kernels. So two numbers per kernel: instructions per value up to the
+  first ``EXIT`` (what one thread executes; branches to slow paths are rare) and those
+  of them on the ALU pipe; a kernel needs about ``max(total, 2 * alu)`` issue cycles.
+  Shared memory > 0 means a layout conversion (values exchanged between threads).
 
     python benchmarks/kernel_sass.py            # every kernel, per-head and per-token scales
     python benchmarks/kernel_sass.py --top 12   # also the most frequent instruction kinds
@@ -61,6 +65,16 @@ def sass_ops(kernel) -> list[str]:
     return ops
 
 
+# Opcodes issued to the ALU pipe on sm_90 (the rest: FMA pipes, memory, control, XU).
+ALU_OPS = {"FMNMX", "FSETP", "FSEL", "SEL", "LOP3", "SHF", "IADD3", "ISETP", "VIMNMX", "VIADD", "LEA", "PRMT",
+           "SGXT", "P2R", "R2P", "PLOP3", "IMNMX", "HSETP2", "HMNMX2", "MOV", "BMSK", "FCHK", "IABS"}
+
+
+def executed_ops(ops: list[str]) -> list[str]:
+    """The straight-line path a thread runs: everything before the first ``EXIT``."""
+    return ops[: ops.index("EXIT")] if "EXIT" in ops else ops
+
+
 def kernels(st: int):
     """(name, jit function, signature, constexprs, warps, values per program) for one scale layout."""
     blk = {"H": "constexpr", "NB": "constexpr", "BLOCKS": "constexpr", "ST": "constexpr"}
@@ -78,9 +92,9 @@ def kernels(st: int):
            {"H": H, "D": D, "BD": D, "ROWS": quant_fp8.DEQUANT_TILE // D, "ST": st, "OUT": 1, "HW": True},
            quant_fp8.DEQUANT_WARPS, quant_fp8.DEQUANT_TILE)
     yield ("nvfp4 quantize", quant_nvfp4._nvfp4_quantize_kernel,
-           {"x_ptr": "*bf16", "s2_ptr": "*fp32", "code_ptr": "*u8", "bs_ptr": "*u8", "flag_ptr": "*i32",
-            "n_blocks": "i32", **blk},
-           {"H": H, "NB": nb, "BLOCKS": quant_nvfp4.TILE_BLOCKS, "ST": st},
+           {"x_ptr": "*i32", "s2_ptr": "*fp32", "code_ptr": "*u8", "bs_ptr": "*u8", "flag_ptr": "*i32",
+            "n_blocks": "i32", **blk, "WORDS": "constexpr"},
+           {"H": H, "NB": nb, "BLOCKS": quant_nvfp4.TILE_BLOCKS, "ST": st, "WORDS": True},
            quant_nvfp4.QUANT_WARPS, 16 * quant_nvfp4.TILE_BLOCKS)
     yield ("nvfp4 dequantize", quant_nvfp4._nvfp4_dequantize_kernel,
            {"code_ptr": "*u8", "bs_ptr": "*u8", "s2_ptr": "*fp32", "out_ptr": "*i16", "n_blocks": "i32", **blk,
@@ -89,8 +103,8 @@ def kernels(st: int):
            quant_nvfp4.DEQUANT_WARPS, 16 * quant_nvfp4.DEQUANT_TILE_BLOCKS)
     yield ("ternary quantize", quant_ternary._ternary_quantize_kernel,
            {"x_ptr": "*bf16", "s2_ptr": "*fp32", "word_ptr": "*i32", "bs_ptr": "*u8", "flag_ptr": "*i32",
-            "n_blocks": "i32", **blk},
-           {"H": H, "NB": nb, "BLOCKS": quant_ternary.QUANT_TILE, "ST": st},
+            "n_blocks": "i32", **blk, "NATIVE": "constexpr"},
+           {"H": H, "NB": nb, "BLOCKS": quant_ternary.QUANT_TILE, "ST": st, "NATIVE": True},
            quant_ternary.QUANT_WARPS, 16 * quant_ternary.QUANT_TILE)
     yield ("ternary dequantize", quant_ternary._ternary_dequantize_kernel,
            {"word_ptr": "*i32", "bs_ptr": "*u8", "s2_ptr": "*fp32", "out_ptr": "*i16", "n_blocks": "i32", **blk,
@@ -129,9 +143,11 @@ def main(argv=None) -> int:
                 print(f"{label}: DOES NOT COMPILE: {str(exc).splitlines()[-1]}")
                 continue
             ops = sass_ops(kernel)
-            threads = 32 * kernel.metadata.num_warps
-            print(f"{label:45s} {len(ops) * threads / values:5.1f} instr/value (static), "
-                  f"{values // threads} values/thread, shared {kernel.metadata.shared} B")
+            run = executed_ops(ops)
+            per = 32 * kernel.metadata.num_warps / values
+            alu = sum(op.split(".")[0] in ALU_OPS for op in run)
+            print(f"{label:45s} {len(run) * per:5.1f} instr/value ({alu * per:4.1f} ALU pipe), "
+                  f"{values // (32 * kernel.metadata.num_warps)} values/thread, shared {kernel.metadata.shared} B")
             if args.top:
                 print("    ", collections.Counter(o.split(".")[0] for o in ops).most_common(args.top))
     return 1 if failed else 0

@@ -104,8 +104,9 @@ def test_e2m1_nearest_and_saturation():
     assert qc.e2m1_decode(qc.e2m1_encode(y)).tolist() == [0.5, 0.5, 1.5, 2.0, 3.0, 4.0, 6.0, 6.0, 6.0, 6.0, -6.0]
 
 
-def test_e2m1_zero_is_always_positive_code():
-    assert qc.e2m1_encode(torch.tensor([0.0, -0.0, -0.1, -0.25])).tolist() == [0, 0, 0, 0]
+def test_e2m1_zero_keeps_the_sign():
+    assert qc.e2m1_encode(torch.tensor([0.0, 0.1, -0.0, -0.1, -0.25])).tolist() == [0, 0, 8, 8, 8]
+    assert str(qc.e2m1_decode(torch.tensor([8])).item()) == "-0.0"
     assert qc.e2m1_encode(torch.tensor([-0.26])).item() == 0b1001
 
 
@@ -160,6 +161,17 @@ def test_head_scale_all_zero_head_gets_one():
     assert amax.tolist() == [0.0, 896.0]
     assert qc.head_scale(amax, 448.0).tolist() == [1.0, 2.0]
     assert qc.head_scale(qc.check_input(torch.zeros(0, 2, 16), "fp8"), 448.0).tolist() == [1.0, 1.0]
+
+
+@needs_interpreter
+def test_head_scale_kernel_matches_the_torch_rule():
+    x = torch.randn(7, 5, 32) * torch.tensor([0.0, 1.0, 0.0, 3e3, 1e-3])[None, :, None]
+    x[2, 1, 3] = -9.0
+    x[:, 2] = 1e-44  # a subnormal amax: the quotient underflows to 0
+    expected = qc.head_scale(qc.check_input(x, "nvfp4"), 2688.0)
+    scale, flags = qc.head_scale_triton(x, 2688.0)
+    assert torch.equal(scale, expected) and scale[0] == 1.0 and scale[2] == 1.0  # zero and underflowing heads
+    assert qc.flag_bits(flags) == 0
 
 
 def _nan_inf_detected(device):

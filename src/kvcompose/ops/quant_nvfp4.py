@@ -12,8 +12,8 @@ Format, for ``x`` of shape ``[N, H, D]`` with ``D % 16 == 0`` (all arithmetic fp
   division; a multiply per value) rounded to the nearest of
   {0, 0.5, 1, 1.5, 2, 3, 4, 6} (with sign), ties to the even code (the one whose
   mantissa bit is 0: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
-  3.5 -> 4, 5 -> 4), saturating at 6. A nibble is ``sign << 3 | index``; zero is
-  always +0.
+  3.5 -> 4, 5 -> 4), saturating at 6. A nibble is ``sign << 3 | index`` with the
+  sign of ``y`` (a small negative value codes as -0, as hardware FP4 conversions do).
 - Storage: two nibbles per byte, the even element in the low nibble
   (``codes`` uint8 ``[N, H, D/2]``); block scales as E4M3 bit patterns
   (``block_scales`` uint8 ``[N, H, D/16]``); ``s2`` fp32 ``[H]``.
@@ -63,42 +63,49 @@ from .quant_common import (
 FORMAT = "nvfp4"
 BLOCK = 16
 S2_DIVISOR = 6.0 * 448.0
-TILE_BLOCKS = 128  # 16-value blocks per quantize program (2048 values)
+TILE_BLOCKS = 64  # 16-value blocks per quantize program (1024 values): one per thread
 QUANT_WARPS = 2
 DEQUANT_TILE_BLOCKS = 1024  # blocks per dequantize program (16384 values)
 DEQUANT_WARPS = 4
 
 
 @jit
-def _nvfp4_pack(x, inv_scale, B: tl.constexpr):
-    """Packed nibbles ``[B, 4]`` of 8 values per row of ``x`` ``[B, 8]`` (elements 2i, 2i + 1 in byte i)."""
-    even, odd = tl.split(tl.reshape(e2m1_encode_tl(x * inv_scale), [B, 4, 2]))
-    return even | (odd << 4)
+def _load_even_odd(x_ptr, offs, ok, WORDS: tl.constexpr):
+    """Elements ``2i`` and ``2i + 1`` of each block, fp32 ``[B, 8]`` each, from word offsets ``offs``.
+
+    With ``WORDS`` the input is bf16 viewed as int32 pairs (little endian: the even element
+    in the low half), and a bf16 is the high half of its fp32 pattern, so each element
+    costs one shift or mask; otherwise the 16 values are loaded and split in registers.
+    """
+    if WORDS:
+        w = tl.load(x_ptr + offs, mask=ok, other=0)
+        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+    pairs = offs[:, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    return tl.split(tl.load(x_ptr + pairs, mask=ok[:, :, None], other=0.0).to(tl.float32))
 
 
 @jit
 def _nvfp4_quantize_kernel(
     x_ptr, s2_ptr, code_ptr, bs_ptr, flag_ptr, n_blocks, H: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
-    ST: tl.constexpr,
+    ST: tl.constexpr, WORDS: tl.constexpr,
 ):
     # One program per tile of BLOCKS 16-value blocks, numbered flat over [N, H, D/16]; 64-bit
-    # offsets for the tile start only. Each block is read as two [block, 8] halves, so one
-    # thread holds a whole block and per-block values ([BLOCKS, 1]) need no exchange between threads.
+    # offsets for the tile start only. One thread holds a whole block as its even and odd
+    # elements ([BLOCKS, 8] each), which are exactly the low and high nibbles of its 8 code
+    # bytes, and per-block values ([BLOCKS, 1]) need no exchange between threads.
     blk0 = tl.program_id(0).to(tl.int64) * BLOCKS
     b = tl.arange(0, BLOCKS)[:, None]
     ok = b < n_blocks - blk0
-    offs = blk0 * 16 + b * 16 + tl.arange(0, 8)[None, :]
-    lo = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    hi = tl.load(x_ptr + offs + 8, mask=ok, other=0.0).to(tl.float32)
+    pair = blk0 * 8 + b * 8 + tl.arange(0, 8)[None, :]  # pair i of a block: elements 2i, 2i + 1; byte i of its codes
+    even, odd = _load_even_odd(x_ptr, pair, ok, WORDS)
     s2 = tl.load(s2_ptr + scale_index_tl(blk0, b, NB, H, ST), mask=ok, other=1.0)
 
-    block_amax = max_nan_tl(amax_tl(lo, 1, True), amax_tl(hi, 1, True))
+    block_amax = max_nan_tl(amax_tl(even, 1, True), amax_tl(odd, 1, True))
     bs_code, bs = block_scale_code_tl(tl.div_rn(block_amax, s2 * 6.0), block_amax)
     inv = recip_tl(bs * s2)
 
-    out = blk0 * 8 + b * 8 + tl.arange(0, 4)[None, :]
-    tl.store(code_ptr + out, _nvfp4_pack(lo, inv, BLOCKS).to(tl.uint8), mask=ok)
-    tl.store(code_ptr + out + 4, _nvfp4_pack(hi, inv, BLOCKS).to(tl.uint8), mask=ok)
+    byte = e2m1_encode_tl(even * inv) | (e2m1_encode_tl(odd * inv) << 4)
+    tl.store(code_ptr + pair, byte.to(tl.uint8), mask=ok)
     tl.store(bs_ptr + blk0 + b, bs_code.to(tl.uint8), mask=ok)
     set_flag_tl(flag_ptr, nonfinite_tl(block_amax) | bad_scale_tl(s2))
 
@@ -142,9 +149,10 @@ def nvfp4_quantize_triton(
     if x.numel():
         n_blocks = n * h * nb
         grid = (cdiv(n_blocks, TILE_BLOCKS),)
+        words = x.dtype == torch.bfloat16
         _nvfp4_quantize_kernel[grid](
-            x, s2, codes, bs, flags, n_blocks, H=h, NB=nb, BLOCKS=TILE_BLOCKS, ST=token_stride(s2),
-            num_warps=QUANT_WARPS, **LAUNCH_OPTS,
+            x.view(torch.int32) if words else x, s2, codes, bs, flags, n_blocks, H=h, NB=nb, BLOCKS=TILE_BLOCKS,
+            ST=token_stride(s2), WORDS=words, num_warps=QUANT_WARPS, **LAUNCH_OPTS,
         )
     return codes, bs
 
