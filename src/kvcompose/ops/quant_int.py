@@ -7,8 +7,9 @@ For a group of values with minimum ``lo`` and maximum ``hi`` (all arithmetic fp3
   uses exactly the numbers coding used. A scale that is 0 after rounding
   (constant group) becomes 1; a minimum of zero is stored as +0 (the sign of a zero
   minimum would otherwise depend on the order of the min reduction).
-- ``q = round_half_even(clamp((x - lo) * (1 / scale), 0, 2^k - 1))``: the reciprocal once
-  per group (IEEE division), a subtract and a multiply per value.
+- ``q = clamp(round_half_even((x - lo) * (1 / scale)), 0, 2^k - 1)``: the reciprocal once
+  per group (IEEE division), ``x - lo`` in fp32, the product rounded once (one fused
+  multiply-add per value in the kernels).
 - ``x_hat = q * scale + lo`` (a multiply then an add, two roundings; kernels are
   launched without FMA fusion so the GPU matches torch).
 
@@ -50,8 +51,6 @@ from .quant_common import (
     raise_on_flags,
     recip_tl,
     reciprocal,
-    rne_int,
-    rne_small_tl,
     set_flag_tl,
     store_out_tl,
     tl,
@@ -64,7 +63,7 @@ BITS = (2, 4, 8)
 SCALE_DTYPES = (torch.float16, torch.float32)
 FP16_MAX = 65504.0
 # Launch shapes, per kernel: values per program and warps per program.
-TOKEN_QUANT = (2048, 1)
+TOKEN_QUANT = (1024, 1)
 TOKEN_DEQUANT = (8192, 4)
 CHANNEL_QUANT_WARPS = 1  # a program holds one token group x head dim of one head
 CHANNEL_DEQUANT = (2048, 1)
@@ -88,9 +87,15 @@ def int_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, scale_dtype: torch
 
 
 def int_encode(x: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int) -> torch.Tensor:
-    """Reference: integer codes of ``x`` (int32) under broadcastable ``scale``/``lo``."""
-    y = ((x - lo) * reciprocal(scale)).clamp(0.0, float((1 << bits) - 1))
-    return rne_int(y)
+    """Reference: integer codes of ``x`` (int32) under broadcastable ``scale``/``lo``.
+
+    ``(x - lo)`` in fp32, times the fp32 reciprocal of the scale, rounded once to the
+    nearest integer, ties to even (the product of two fp32 values is exact in fp64, and
+    the kernels round it with one fused multiply-add), then clamped to the code range.
+    """
+    d = (x - lo).to(torch.float64)
+    q = torch.round(d * reciprocal(scale).to(torch.float64))
+    return q.clamp(0.0, float((1 << bits) - 1)).to(torch.int32)
 
 
 @jit
@@ -104,9 +109,12 @@ def _int_params_tl(lo, hi, BITS: tl.constexpr, HALF: tl.constexpr):
 
 @jit
 def _int_encode_tl(x, inv_scale, lo, BITS: tl.constexpr):
-    y = (x - lo) * inv_scale
-    y = tl.minimum(tl.maximum(y, 0.0), ((1 << BITS) - 1) * 1.0)
-    return rne_small_tl(y)
+    # fma(d, 1/scale, 1.5 * 2^23) rounds d / scale once to an integer (the unit in the last place
+    # of [2^23, 2^24) is 1, and 1.5 * 2^23 keeps results down to -2^22 in that binade); the
+    # clamp saturates anything outside the code range. One FMA-pipe op instead of two.
+    c = tl.fma(x - lo, inv_scale, 12582912.0)
+    c = tl.minimum(tl.maximum(c, 12582912.0), 12582912.0 + ((1 << BITS) - 1))
+    return c.to(tl.int32, bitcast=True) - 0x4B400000
 
 
 # ---------------------------------------------------------------------------
@@ -140,8 +148,12 @@ def _int_token_quantize_kernel(
     mask = ok & (c < GS)
     x = tl.load(x_ptr + g0 * GS + grp * GS + c, mask=mask, other=0.0).to(tl.float32)
 
-    lo = tl.reduce(tl.where(mask, x, float("inf")), 1, min_nan_tl, keep_dims=True)
-    hi = tl.reduce(tl.where(mask, x, float("-inf")), 1, max_nan_tl, keep_dims=True)
+    if BG == GS:  # rows past the end read zeros, and nothing of theirs is stored
+        lo = tl.reduce(x, 1, min_nan_tl, keep_dims=True)
+        hi = tl.reduce(x, 1, max_nan_tl, keep_dims=True)
+    else:
+        lo = tl.reduce(tl.where(mask, x, float("inf")), 1, min_nan_tl, keep_dims=True)
+        hi = tl.reduce(tl.where(mask, x, float("-inf")), 1, max_nan_tl, keep_dims=True)
     flags = _range_flags_tl(lo, hi, ok, HALF)
     scale, lo = _int_params_tl(lo, hi, BITS, HALF)
     q = _int_encode_tl(x, recip_tl(scale), lo, BITS)
