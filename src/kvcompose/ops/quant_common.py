@@ -539,19 +539,23 @@ def rne_small_tl(w):
 
 @jit
 def e2m1_encode_tl(y):
-    # Same codes as the seven comparisons of :func:`e2m1_encode`, mostly on the FMA pipe
-    # (Hopper's integer/compare ALU pipe runs at half rate and was what bound the kernel).
-    # The E2M1 index of a = |y| is RNE(f(a)) with the concave piecewise-linear
-    # f(a) = min(2a, a + 2, a/2 + 4, 7): grid spacing 0.5 below 2, 1 up to 4, 2 up to 6, and
-    # every midpoint lands on a half-integer whose even neighbour is the even code. RNE is
-    # monotone, so it is the min of RNE of each line; fma(a, s, 2^23 + c) rounds a line
-    # once, exactly to an integer (the unit in the last place of [2^23, 2^24) is 1).
-    # The sign bit (y's, so a small negative value gives -0) comes from a multiply-high.
+    """E2M1 code of ``y`` in the low 4 bits; bits 24-30 hold junk (0x4B), so keep the low
+    byte (``.to(tl.uint8)``) or mask, as the packing does anyway.
+
+    Same codes as the seven comparisons of :func:`e2m1_encode`, mostly on the FMA pipe
+    (Hopper's integer/compare ALU pipe runs at half rate and bound the kernel). The index
+    of ``a = |y|`` is RNE(f(a)) with the concave piecewise-linear
+    ``f(a) = min(2a, a + 2, a/2 + 4, 7)``: grid spacing 0.5 below 2, 1 up to 4, 2 up to 6,
+    and every midpoint lands on a half-integer whose even neighbour is the even code. RNE
+    is monotone, so it is the min of RNE of each line, and ``fma(a, s, 2^23 + c)`` rounds
+    a line exactly once to an integer (the unit in the last place of [2^23, 2^24) is 1):
+    the fp32 pattern of the result is ``0x4B000000 + index``. The sign bit is ``y``'s (a
+    small negative value gives -0), OR-ed into bit 3, which the index never sets.
+    """
     a = tl.abs(y)
     c = tl.minimum(tl.fma(a, 2.0, 8388608.0), tl.fma(a, 1.0, 8388610.0))
     c = tl.minimum(tl.minimum(c, tl.fma(a, 0.5, 8388612.0)), 8388615.0)
-    idx = c.to(tl.int32, bitcast=True) - 0x4B000000
-    return idx + tl.umulhi(y.to(tl.uint32, bitcast=True), 2).to(tl.int32) * 8
+    return c.to(tl.int32, bitcast=True) | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @jit
@@ -601,7 +605,7 @@ def block_scale_code_tl(ratio, block_amax):
     Always the integer encoder: the hardware conversion gave wrong codes for these
     per-block ``[B, 1]`` vectors at some tile shapes (Triton 3.6, H200), never for full tiles.
     """
-    code = e4m3_encode_tl(tl.minimum(ratio, 448.0))
+    code = e4m3_encode_tl(ratio)  # saturates at 448 itself
     code = tl.where(block_amax > 0, tl.maximum(code, 1), 0x38)
     return code, e4m3_decode_tl(code)
 
