@@ -597,17 +597,24 @@ def nonfinite_tl(amax):
 
 @jit
 def block_scale_code_tl(ratio, block_amax):
-    """E4M3 block scale for a block whose ideal scale is ``ratio``: ``(code, value)``.
+    """E4M3 block scale for a block whose ideal scale is ``ratio`` (>= 0): ``(code, value)``.
 
-    The rules of :func:`block_scale_e4m3` applied on the code, which is encoded once:
-    saturate at 448, at least the smallest subnormal (code 1, 2^-9; codes of positive
-    values are ordered like the values), and 1.0 (code 0x38) for an all-zero block.
-    Always the integer encoder: the hardware conversion gave wrong codes for these
-    per-block ``[B, 1]`` vectors at some tile shapes (Triton 3.6, H200), never for full tiles.
+    The rules of :func:`block_scale_e4m3`: round to nearest even, saturate at 448, at least
+    the smallest subnormal (code 1, 2^-9), and 1.0 (code 0x38) for an all-zero block. The
+    value comes out of the rounding itself instead of decoding the code (a normal value
+    is the rounded fp32 pattern with its low 20 bits cleared; a subnormal one a multiple
+    of 2^-9). Always integer arithmetic: the hardware conversion gave wrong codes for
+    these per-block vectors at some tile shapes (Triton 3.6, H200), never for full tiles.
     """
-    code = e4m3_encode_tl(ratio)  # saturates at 448 itself
-    code = tl.where(block_amax > 0, tl.maximum(code, 1), 0x38)
-    return code, e4m3_decode_tl(code)
+    r = tl.minimum(ratio, 448.0)
+    bits = r.to(tl.int32, bitcast=True)
+    rounded = bits + 0x7FFFF + ((bits >> 20) & 1)  # 3 mantissa bits, ties to even
+    steps = (r * 512.0 + 8388608.0) - 8388608.0  # subnormal: nearest multiple of 2^-9, ties to even
+    normal = bits >= (121 << 23)  # r >= 2^-6
+    code = tl.where(normal, (rounded >> 20) - (120 << 3), steps.to(tl.int32))
+    value = tl.where(normal, (rounded & -1048576).to(tl.float32, bitcast=True), steps * 0.001953125)
+    nonzero = block_amax > 0
+    return tl.where(nonzero, tl.maximum(code, 1), 0x38), tl.where(nonzero, tl.maximum(value, 0.001953125), 1.0)
 
 
 @jit
