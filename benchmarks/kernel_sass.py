@@ -116,10 +116,10 @@ def kernels(st: int):
     for bits in (4, 2):
         values, warps = quant_int.TOKEN_QUANT
         yield (f"int{bits} token quantize", quant_int._int_token_quantize_kernel,
-               {"x_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp16", "lo_ptr": "*fp16", "flag_ptr": "*i32",
-                "n_groups": "i32", "GS": "constexpr", "BITS": "constexpr", "HALF": "constexpr",
-                "GROUPS": "constexpr", "BG": "constexpr"},
-               {"GS": D, "BITS": bits, "HALF": True, "GROUPS": values // D, "BG": D}, warps, values)
+               {"x_ptr": "*i64" if bits == 2 else "*i32", "code_ptr": "*u8", "scale_ptr": "*fp16", "lo_ptr": "*fp16",
+                "flag_ptr": "*i32", "n_groups": "i32", "GS": "constexpr", "BITS": "constexpr", "HALF": "constexpr",
+                "GROUPS": "constexpr", "BG": "constexpr", "WORDS": "constexpr"},
+               {"GS": D, "BITS": bits, "HALF": True, "GROUPS": values // D, "BG": D, "WORDS": True}, warps, values)
         yield (f"int{bits} channel quantize (KIVI keys)", quant_int._int_channel_quantize_kernel,
                {"x_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp16", "lo_ptr": "*fp16", "flag_ptr": "*i32",
                 "N": "i32", "H": "constexpr", "D": "constexpr", "G": "constexpr", "BITS": "constexpr",

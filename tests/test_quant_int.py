@@ -47,6 +47,10 @@ def check_channels(x, bits, g, sdt):
         ((7, 2, 48), F32, "gauss", 4, 16, F32),
         ((4, 2, 64), F16, "wide", 8, 32, F16),
         ((3, 1, 40), F32, "gauss", 2, 20, F32),
+        ((7, 2, 64), torch.bfloat16, "outlier", 2, None, F16),  # bf16 read as words (power-of-two groups)
+        ((5, 3, 64), torch.bfloat16, "wide", 4, 32, F16),
+        ((9, 2, 32), torch.bfloat16, "gauss", 2, 16, F32),
+        ((40, 3, 32), torch.bfloat16, "wide", 4, 4, F16),
     ],
 )
 def test_token_kernel_matches_reference(shape, dtype, kind, bits, gs, sdt):

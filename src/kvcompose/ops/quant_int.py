@@ -135,30 +135,62 @@ def _range_flags_tl(lo, hi, ok, HALF: tl.constexpr):
 
 
 @jit
+def _bf16_pair(w):
+    """The two bf16 values of int32 words ``w`` as fp32 (the low half is the first)."""
+    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+
+@jit
+def _row_extremes(a, b):
+    """Per-row ``(min, max)`` ``[R, 1]`` of ``a`` and ``b`` ``[R, C]``, NaN kept."""
+    lo = min_nan_tl(tl.reduce(a, 1, min_nan_tl, keep_dims=True), tl.reduce(b, 1, min_nan_tl, keep_dims=True))
+    return lo, max_nan_tl(tl.reduce(a, 1, max_nan_tl, keep_dims=True), tl.reduce(b, 1, max_nan_tl, keep_dims=True))
+
+
+@jit
 def _int_token_quantize_kernel(
     x_ptr, code_ptr, scale_ptr, lo_ptr, flag_ptr, n_groups,
     GS: tl.constexpr, BITS: tl.constexpr, HALF: tl.constexpr, GROUPS: tl.constexpr, BG: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     PER: tl.constexpr = 8 // BITS
     GB: tl.constexpr = GS // PER
     g0 = tl.program_id(0).to(tl.int64) * GROUPS  # 64-bit offsets for the tile start only
     grp = tl.arange(0, GROUPS)[:, None]  # per-group values stay [GROUPS, 1] in the tile's layout
     ok = grp < n_groups - g0
-    c = tl.arange(0, BG)[None, :]
-    mask = ok & (c < GS)
-    x = tl.load(x_ptr + g0 * GS + grp * GS + c, mask=mask, other=0.0).to(tl.float32)
-
-    if BG == GS:  # rows past the end read zeros, and nothing of theirs is stored
-        lo = tl.reduce(x, 1, min_nan_tl, keep_dims=True)
-        hi = tl.reduce(x, 1, max_nan_tl, keep_dims=True)
+    if WORDS:
+        # bf16 read as words (BG == GS): a bf16 is the high half of its fp32 pattern, so each
+        # value is one shift or mask away. The words hold exactly one byte's values: int32
+        # pairs for INT4, int64 quadruples for INT2 (x_ptr points at such a view).
+        i = tl.arange(0, BG // PER)[None, :]
+        w = tl.load(x_ptr + g0 * GB + grp * GB + i, mask=ok, other=0)
+        v0, v1 = _bf16_pair(w.to(tl.int32))
+        lo, hi = _row_extremes(v0, v1)
+        if BITS == 2:
+            v2, v3 = _bf16_pair((w >> 32).to(tl.int32))
+            lo2, hi2 = _row_extremes(v2, v3)
+            lo, hi = min_nan_tl(lo, lo2), max_nan_tl(hi, hi2)
+        flags = _range_flags_tl(lo, hi, ok, HALF)
+        scale, lo = _int_params_tl(lo, hi, BITS, HALF)
+        inv = recip_tl(scale)
+        packed = _int_encode_tl(v0, inv, lo, BITS) | (_int_encode_tl(v1, inv, lo, BITS) << BITS)
+        if BITS == 2:
+            packed = packed | (_int_encode_tl(v2, inv, lo, BITS) << 4) | (_int_encode_tl(v3, inv, lo, BITS) << 6)
     else:
-        lo = tl.reduce(tl.where(mask, x, float("inf")), 1, min_nan_tl, keep_dims=True)
-        hi = tl.reduce(tl.where(mask, x, float("-inf")), 1, max_nan_tl, keep_dims=True)
-    flags = _range_flags_tl(lo, hi, ok, HALF)
-    scale, lo = _int_params_tl(lo, hi, BITS, HALF)
-    q = _int_encode_tl(x, recip_tl(scale), lo, BITS)
-    j = tl.arange(0, PER)[None, None, :]
-    packed = tl.sum(tl.reshape(q, [GROUPS, BG // PER, PER]) << (BITS * j), axis=2)
+        c = tl.arange(0, BG)[None, :]
+        mask = ok & (c < GS)
+        x = tl.load(x_ptr + g0 * GS + grp * GS + c, mask=mask, other=0.0).to(tl.float32)
+        if BG == GS:  # rows past the end read zeros, and nothing of theirs is stored
+            lo = tl.reduce(x, 1, min_nan_tl, keep_dims=True)
+            hi = tl.reduce(x, 1, max_nan_tl, keep_dims=True)
+        else:
+            lo = tl.reduce(tl.where(mask, x, float("inf")), 1, min_nan_tl, keep_dims=True)
+            hi = tl.reduce(tl.where(mask, x, float("-inf")), 1, max_nan_tl, keep_dims=True)
+        flags = _range_flags_tl(lo, hi, ok, HALF)
+        scale, lo = _int_params_tl(lo, hi, BITS, HALF)
+        q = _int_encode_tl(x, recip_tl(scale), lo, BITS)
+        j = tl.arange(0, PER)[None, None, :]
+        packed = tl.sum(tl.reshape(q, [GROUPS, BG // PER, PER]) << (BITS * j), axis=2)
 
     b = tl.arange(0, BG // PER)[None, :]
     tl.store(code_ptr + g0 * GB + grp * GB + b, packed.to(tl.uint8), mask=ok & (b < GB))
@@ -219,9 +251,12 @@ def int_token_quantize_triton(
         n_groups = n * h * ng
         values, warps = TOKEN_QUANT
         tile = _tile(group_size, values)
+        # bf16 as words of one code byte's values (see the kernel), for power-of-two groups
+        words = x.dtype == torch.bfloat16 and bits in (2, 4) and group_size == next_pow2(group_size) >= 4
         _int_token_quantize_kernel[(cdiv(n_groups, tile),)](
-            x, codes, scale, lo, flags, n_groups, GS=group_size, BITS=bits, HALF=scale_dtype == torch.float16,
-            GROUPS=tile, BG=next_pow2(group_size), num_warps=warps, **LAUNCH_OPTS,
+            x.view(torch.int64 if bits == 2 else torch.int32) if words else x, codes, scale, lo, flags, n_groups, GS=group_size, BITS=bits,
+            HALF=scale_dtype == torch.float16, GROUPS=tile, BG=next_pow2(group_size), WORDS=words, num_warps=warps,
+            **LAUNCH_OPTS,
         )
     return codes, scale, lo
 
