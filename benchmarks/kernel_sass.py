@@ -123,8 +123,9 @@ def kernels(st: int):
         yield (f"int{bits} channel quantize (KIVI keys)", quant_int._int_channel_quantize_kernel,
                {"x_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp16", "lo_ptr": "*fp16", "flag_ptr": "*i32",
                 "N": "i32", "H": "constexpr", "D": "constexpr", "G": "constexpr", "BITS": "constexpr",
-                "HALF": "constexpr", "BLOCK_G": "constexpr", "BD": "constexpr"},
-               {"H": H, "D": D, "G": 32, "BITS": bits, "HALF": True, "BLOCK_G": 32, "BD": D},
+                "HALF": "constexpr", "BLOCK_G": "constexpr", "BD": "constexpr", "CHUNK": "constexpr"},
+               {"H": H, "D": D, "G": 32, "BITS": bits, "HALF": True, "BLOCK_G": 32, "BD": D,
+                "CHUNK": quant_int.CHANNEL_QUANT_CHUNK},
                quant_int.CHANNEL_QUANT_WARPS, 32 * D)
 
 

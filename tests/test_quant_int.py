@@ -72,6 +72,14 @@ def test_channel_kernel_matches_reference(shape, dtype, kind, bits, g, sdt):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("chunk", [4, 32])
+def test_channel_kernel_at_other_token_chunks(chunk, monkeypatch):
+    monkeypatch.setattr(ops, "CHANNEL_QUANT_CHUNK", chunk)  # 4: several passes per group; 32: one
+    check_channels(make_int("wide", (37, 2, 64)), 2, 8, F16)
+    check_channels(make_int("outlier", (45, 1, 48), torch.bfloat16), 4, 32, F32)
+
+
+@needs_interpreter
 def test_kernels_match_reference_non_contiguous():
     x = make_int("wide", (2, 9, 64)).transpose(0, 1)
     assert not x.is_contiguous()

@@ -219,6 +219,7 @@ LAUNCH_SHAPES = [  # (ops module, launch constant, values): the kernels must sta
     ("quant_nvfp4", "DEQUANT_TILE_BLOCKS", [256, 1024]),
     ("quant_ternary", "QUANT_TILE", [64, 128, 256]), ("quant_ternary", "QUANT_WARPS", [2, 4]),
     ("quant_int", "TOKEN_QUANT", [(1024, 1), (2048, 1), (4096, 4)]), ("quant_int", "CHANNEL_QUANT_WARPS", [1, 2, 4]),
+    ("quant_int", "CHANNEL_QUANT_CHUNK", [32, 8, 4]),
     ("quant_int", "CHANNEL_DEQUANT", [(2048, 1), (4096, 4)]),
 ]
 

@@ -65,7 +65,8 @@ FP16_MAX = 65504.0
 # Launch shapes, per kernel: values per program and warps per program.
 TOKEN_QUANT = (1024, 1)
 TOKEN_DEQUANT = (8192, 4)
-CHANNEL_QUANT_WARPS = 1  # a program holds one token group x head dim of one head
+CHANNEL_QUANT_WARPS = 1  # a program handles one token group x head dim of one head
+CHANNEL_QUANT_CHUNK = 16  # ... CHUNK tokens at a time, in two passes
 CHANNEL_DEQUANT = (2048, 1)
 
 
@@ -298,31 +299,37 @@ def int_token_dequantize_triton(codes, scale, lo, bits: int, dtype: torch.dtype 
 def _int_channel_quantize_kernel(
     x_ptr, code_ptr, scale_ptr, lo_ptr, flag_ptr, N,
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_G: tl.constexpr, BD: tl.constexpr,
+    BLOCK_G: tl.constexpr, BD: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    # One program per (token group, head): a [token, channel] tile, extremes over the token axis.
+    # One program per (token group, head): extremes over the token axis, then the codes. Two
+    # passes over CHUNK tokens at a time (the second reads from cache), so a thread holds a
+    # chunk, not the whole group: fewer registers, more warps in flight.
     PER: tl.constexpr = 8 // BITS
     DB: tl.constexpr = D // PER
     tg = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    t = tl.arange(0, BLOCK_G)[:, None]
+    t = tl.arange(0, CHUNK)[:, None]
     d = tl.arange(0, BD)[None, :]
-    rows = (t < G) & (t < N - tg * G)
-    mask = rows & (d < D)
     row0 = tg * G * H + head  # (token, head) row of the group's first token; 64-bit for the start only
-    x = tl.load(x_ptr + row0 * D + (t * H) * D + d, mask=mask, other=0.0).to(tl.float32)
-
-    lo = tl.reduce(tl.where(mask, x, float("inf")), 0, min_nan_tl)
-    hi = tl.reduce(tl.where(mask, x, float("-inf")), 0, max_nan_tl)
+    lo = tl.full([BD], float("inf"), tl.float32)
+    hi = tl.full([BD], float("-inf"), tl.float32)
+    for c in tl.static_range(0, BLOCK_G, CHUNK):
+        mask = (c + t < G) & (c + t < N - tg * G) & (d < D)
+        x = tl.load(x_ptr + row0 * D + ((c + t) * H) * D + d, mask=mask, other=0.0).to(tl.float32)
+        lo = min_nan_tl(lo, tl.reduce(tl.where(mask, x, float("inf")), 0, min_nan_tl))
+        hi = max_nan_tl(hi, tl.reduce(tl.where(mask, x, float("-inf")), 0, max_nan_tl))
     dd = tl.arange(0, BD)
     flags = _range_flags_tl(lo, hi, dd < D, HALF)
     scale, lo = _int_params_tl(lo, hi, BITS, HALF)
-    q = _int_encode_tl(x, recip_tl(scale)[None, :], lo[None, :], BITS)
+    inv = recip_tl(scale)
     j = tl.arange(0, PER)[None, None, :]
-    packed = tl.sum(tl.reshape(q, [BLOCK_G, BD // PER, PER]) << (BITS * j), axis=2)
-
     b = tl.arange(0, BD // PER)[None, :]
-    tl.store(code_ptr + row0 * DB + (t * H) * DB + b, packed.to(tl.uint8), mask=rows & (b < DB))
+    for c in tl.static_range(0, BLOCK_G, CHUNK):
+        rows = (c + t < G) & (c + t < N - tg * G)
+        x = tl.load(x_ptr + row0 * D + ((c + t) * H) * D + d, mask=rows & (d < D), other=0.0).to(tl.float32)
+        q = _int_encode_tl(x, inv[None, :], lo[None, :], BITS)
+        packed = tl.sum(tl.reshape(q, [CHUNK, BD // PER, PER]) << (BITS * j), axis=2)
+        tl.store(code_ptr + row0 * DB + ((c + t) * H) * DB + b, packed.to(tl.uint8), mask=rows & (b < DB))
     soff = (tg * H + head) * D + dd
     tl.store(scale_ptr + soff, scale, mask=dd < D)
     tl.store(lo_ptr + soff, lo, mask=dd < D)
@@ -388,7 +395,8 @@ def int_channel_quantize_triton(
         block_g, bd = next_pow2(token_group), next_pow2(d)
         _int_channel_quantize_kernel[(nt, h)](
             x, codes, scale, lo, flags, n, H=h, D=d, G=token_group, BITS=bits, HALF=scale_dtype == torch.float16,
-            BLOCK_G=block_g, BD=bd, num_warps=CHANNEL_QUANT_WARPS, **LAUNCH_OPTS,
+            BLOCK_G=block_g, BD=bd, CHUNK=min(block_g, CHANNEL_QUANT_CHUNK), num_warps=CHANNEL_QUANT_WARPS,
+            **LAUNCH_OPTS,
         )
     return codes, scale, lo
 
