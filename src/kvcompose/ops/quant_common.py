@@ -38,7 +38,8 @@ Values are never divided one by one: a kernel takes the correctly rounded recipr
 each scale once (:func:`recip_tl`, :func:`reciprocal`) and multiplies, because a
 division per value costs more than moving the value through memory. When the per-head
 scale must be computed from ``x``, one Triton pass finds the per-head amax
-(:func:`head_amax_triton`) instead of torch's two reductions.
+(:func:`head_amax_triton`) instead of torch's two reductions, and one tiny kernel turns it
+into the scale (:func:`head_scale_triton`).
 """
 
 from __future__ import annotations
