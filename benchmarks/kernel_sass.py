@@ -113,13 +113,17 @@ def kernels(st: int):
            quant_ternary.DEQUANT_WARPS, 16 * quant_ternary.DEQUANT_TILE)
     if st:
         return  # INT formats have no second-level scale
-    for bits in (4, 2):
-        values, warps = quant_int.TOKEN_QUANT
+    values, warps = quant_int.TOKEN_QUANT
+    token_sig = {"x_ptr": "*fp16", "code_ptr": "*u8", "scale_ptr": "*fp16", "lo_ptr": "*fp16", "flag_ptr": "*i32",
+                 "n_groups": "i32", "GS": "constexpr", "BITS": "constexpr", "HALF": "constexpr", "GROUPS": "constexpr",
+                 "BG": "constexpr", "WORDS": "constexpr"}
+    token_const = {"GS": D, "HALF": True, "GROUPS": values // D, "BG": D}
+    yield ("int4 token quantize (fp16 input)", quant_int._int_token_quantize_kernel, token_sig,
+           {**token_const, "BITS": 4, "WORDS": False}, warps, values)
+    for bits in (4, 2):  # bf16 input, read as words
         yield (f"int{bits} token quantize", quant_int._int_token_quantize_kernel,
-               {"x_ptr": "*i64" if bits == 2 else "*i32", "code_ptr": "*u8", "scale_ptr": "*fp16", "lo_ptr": "*fp16",
-                "flag_ptr": "*i32", "n_groups": "i32", "GS": "constexpr", "BITS": "constexpr", "HALF": "constexpr",
-                "GROUPS": "constexpr", "BG": "constexpr", "WORDS": "constexpr"},
-               {"GS": D, "BITS": bits, "HALF": True, "GROUPS": values // D, "BG": D, "WORDS": True}, warps, values)
+               {**token_sig, "x_ptr": "*i64" if bits == 2 else "*i32"}, {**token_const, "BITS": bits, "WORDS": True},
+               warps, values)
         yield (f"int{bits} channel quantize (KIVI keys)", quant_int._int_channel_quantize_kernel,
                {"x_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp16", "lo_ptr": "*fp16", "flag_ptr": "*i32",
                 "N": "i32", "H": "constexpr", "D": "constexpr", "G": "constexpr", "BITS": "constexpr",

@@ -31,4 +31,4 @@ def test_quant_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if "instr/value" in line]
-    assert len(lines) == 16, done.stdout  # 6 two-level kernels x 2 scale layouts + 4 INT variants
+    assert len(lines) == 17, done.stdout  # 6 two-level kernels x 2 scale layouts + 5 INT variants

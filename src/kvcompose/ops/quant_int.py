@@ -171,12 +171,6 @@ def _int_token_quantize_kernel(
             v2, v3 = _bf16_pair((w >> 32).to(tl.int32))
             lo2, hi2 = _row_extremes(v2, v3)
             lo, hi = min_nan_tl(lo, lo2), max_nan_tl(hi, hi2)
-        flags = _range_flags_tl(lo, hi, ok, HALF)
-        scale, lo = _int_params_tl(lo, hi, BITS, HALF)
-        inv = recip_tl(scale)
-        packed = _int_encode_tl(v0, inv, lo, BITS) | (_int_encode_tl(v1, inv, lo, BITS) << BITS)
-        if BITS == 2:
-            packed = packed | (_int_encode_tl(v2, inv, lo, BITS) << 4) | (_int_encode_tl(v3, inv, lo, BITS) << 6)
     else:
         c = tl.arange(0, BG)[None, :]
         mask = ok & (c < GS)
@@ -187,11 +181,16 @@ def _int_token_quantize_kernel(
         else:
             lo = tl.reduce(tl.where(mask, x, float("inf")), 1, min_nan_tl, keep_dims=True)
             hi = tl.reduce(tl.where(mask, x, float("-inf")), 1, max_nan_tl, keep_dims=True)
-        flags = _range_flags_tl(lo, hi, ok, HALF)
-        scale, lo = _int_params_tl(lo, hi, BITS, HALF)
-        q = _int_encode_tl(x, recip_tl(scale), lo, BITS)
+    flags = _range_flags_tl(lo, hi, ok, HALF)
+    scale, lo = _int_params_tl(lo, hi, BITS, HALF)
+    inv = recip_tl(scale)
+    if WORDS:
+        packed = _int_encode_tl(v0, inv, lo, BITS) | (_int_encode_tl(v1, inv, lo, BITS) << BITS)
+        if BITS == 2:
+            packed = packed | (_int_encode_tl(v2, inv, lo, BITS) << 4) | (_int_encode_tl(v3, inv, lo, BITS) << 6)
+    else:
         j = tl.arange(0, PER)[None, None, :]
-        packed = tl.sum(tl.reshape(q, [GROUPS, BG // PER, PER]) << (BITS * j), axis=2)
+        packed = tl.sum(tl.reshape(_int_encode_tl(x, inv, lo, BITS), [GROUPS, BG // PER, PER]) << (BITS * j), axis=2)
 
     b = tl.arange(0, BG // PER)[None, :]
     tl.store(code_ptr + g0 * GB + grp * GB + b, packed.to(tl.uint8), mask=ok & (b < GB))
