@@ -116,8 +116,10 @@ def _exchange(a, b):
 
 @jit
 def _fp32(a, b, c, d, e, f, g, h):
-    return a.to(tl.float32), b.to(tl.float32), c.to(tl.float32), d.to(tl.float32), e.to(tl.float32), \
-        f.to(tl.float32), g.to(tl.float32), h.to(tl.float32)
+    """Eight sorted columns widened to fp32 (the network sorts in the input's dtype, exactly;
+    the running sums are fp32)."""
+    return (a.to(tl.float32), b.to(tl.float32), c.to(tl.float32), d.to(tl.float32),
+            e.to(tl.float32), f.to(tl.float32), g.to(tl.float32), h.to(tl.float32))
 
 
 @jit
