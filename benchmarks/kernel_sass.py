@@ -91,26 +91,20 @@ def kernels(st: int):
             "HW": "constexpr"},
            {"H": H, "D": D, "BD": D, "ROWS": quant_fp8.DEQUANT_TILE // D, "ST": st, "OUT": 1, "HW": True},
            quant_fp8.DEQUANT_WARPS, quant_fp8.DEQUANT_TILE)
-    yield ("nvfp4 quantize", quant_nvfp4._nvfp4_quantize_kernel,
-           {"x_ptr": "*i32", "s2_ptr": "*fp32", "code_ptr": "*u8", "bs_ptr": "*u8", "flag_ptr": "*i32",
-            "n_blocks": "i32", **blk, "WORDS": "constexpr"},
-           {"H": H, "NB": nb, "BLOCKS": quant_nvfp4.TILE_BLOCKS, "ST": st, "WORDS": True},
-           quant_nvfp4.QUANT_WARPS, 16 * quant_nvfp4.TILE_BLOCKS)
-    yield ("nvfp4 dequantize", quant_nvfp4._nvfp4_dequantize_kernel,
-           {"code_ptr": "*u8", "bs_ptr": "*u8", "s2_ptr": "*fp32", "out_ptr": "*i16", "n_blocks": "i32", **blk,
-            "OUT": "constexpr"},
-           {"H": H, "NB": nb, "BLOCKS": quant_nvfp4.DEQUANT_TILE_BLOCKS, "ST": st, "OUT": 1},
-           quant_nvfp4.DEQUANT_WARPS, 16 * quant_nvfp4.DEQUANT_TILE_BLOCKS)
-    yield ("ternary quantize", quant_ternary._ternary_quantize_kernel,
-           {"x_ptr": "*bf16", "s2_ptr": "*fp32", "word_ptr": "*i32", "bs_ptr": "*u8", "flag_ptr": "*i32",
-            "n_blocks": "i32", **blk, "NATIVE": "constexpr"},
-           {"H": H, "NB": nb, "BLOCKS": quant_ternary.QUANT_TILE, "ST": st, "NATIVE": True},
-           quant_ternary.QUANT_WARPS, 16 * quant_ternary.QUANT_TILE)
-    yield ("ternary dequantize", quant_ternary._ternary_dequantize_kernel,
-           {"word_ptr": "*i32", "bs_ptr": "*u8", "s2_ptr": "*fp32", "out_ptr": "*i16", "n_blocks": "i32", **blk,
-            "OUT": "constexpr"},
-           {"H": H, "NB": nb, "BLOCKS": quant_ternary.DEQUANT_TILE, "ST": st, "OUT": 1},
-           quant_ternary.DEQUANT_WARPS, 16 * quant_ternary.DEQUANT_TILE)
+    for label, mod, quant_ptrs, flag, tile, dequant_codes in (
+        ("nvfp4", quant_nvfp4, {"x_ptr": "*i32", "s2_ptr": "*fp32", "code_ptr": "*u8"}, "WORDS",
+         quant_nvfp4.TILE_BLOCKS, {"code_ptr": "*u8"}),
+        ("ternary", quant_ternary, {"x_ptr": "*bf16", "s2_ptr": "*fp32", "word_ptr": "*i32"}, "NATIVE",
+         quant_ternary.QUANT_TILE, {"word_ptr": "*i32"}),
+    ):
+        yield (f"{label} quantize", getattr(mod, f"_{label}_quantize_kernel"),
+               {**quant_ptrs, "bs_ptr": "*u8", "flag_ptr": "*i32", "n_blocks": "i32", **blk, flag: "constexpr"},
+               {"H": H, "NB": nb, "BLOCKS": tile, "ST": st, flag: True}, mod.QUANT_WARPS, 16 * tile)
+        dtile = getattr(mod, "DEQUANT_TILE_BLOCKS", None) or mod.DEQUANT_TILE
+        yield (f"{label} dequantize", getattr(mod, f"_{label}_dequantize_kernel"),
+               {**dequant_codes, "bs_ptr": "*u8", "s2_ptr": "*fp32", "out_ptr": "*i16", "n_blocks": "i32", **blk,
+                "OUT": "constexpr"},
+               {"H": H, "NB": nb, "BLOCKS": dtile, "ST": st, "OUT": 1}, mod.DEQUANT_WARPS, 16 * dtile)
     if st:
         return  # INT formats have no second-level scale
     values, warps = quant_int.TOKEN_QUANT
