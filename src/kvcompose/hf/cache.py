@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..ops.paged_attention import paged_decode_attention
 from ..paging import LayerStore, StoreView
 from .attention import ATTENTION_NAME, LAYER_ATTR, UnsupportedModelError
 from .thoughts import ThoughtTracker
@@ -99,7 +100,12 @@ class KVComposeLayer(CacheLayerMixin):
 
     # ---------------------------------------------------------- the real work
     def attend(self, query, key, value, real, scaling: float) -> torch.Tensor:
-        """Store the new tokens, attend over the kept ones, then let the policy compress."""
+        """Store the new tokens, attend over the kept ones, then let the policy compress.
+
+        Decode steps (one query per row) read the store in place through the fused paged
+        attention; the dense view is built only for prefill, for evictions, for classifier
+        refreshes and for observers (the fidelity harness).
+        """
         self._pending = False
         self.scaling = scaling
         policy = self.cache.policy
@@ -109,14 +115,17 @@ class KVComposeLayer(CacheLayerMixin):
         positions = store.append(key, value, real, cls)
         if real is not None:
             positions = torch.where(real, positions, -1)
-        view = store.view()
         self._record_queries(query, positions, policy.query_window)
-        mask = view.valid[:, None, None, :] & (view.positions[:, None, None, :] <= positions[:, None, :, None])
-        # Padding queries see nothing; let them attend anywhere (their output is never used).
-        mask = mask | ~mask.any(-1, keepdim=True)
         self.cache._note_memory(self.layer_idx)
+        fused = self.cache.fused_attention and query.shape[2] == 1 and not self.cache.observers
+        view = None if fused else store.view()
         with thoughts._timed("attention"):
-            out = self._attention(query, view, mask, positions, scaling)
+            if fused:
+                out = self._paged_attention(query, positions, scaling)
+            else:
+                out = self._attention(query, view, positions, scaling)
+        if view is None and thoughts.needs_view(self.layer_idx, store):
+            view = store.view()
         thoughts.observe(self.layer_idx, query, view, scaling, store)
         for observer in self.cache.observers:
             observer(self.layer_idx, query, view, positions, scaling)
@@ -127,10 +136,27 @@ class KVComposeLayer(CacheLayerMixin):
             self.cache._note_memory(self.layer_idx)
         return out.transpose(1, 2).contiguous()
 
-    def _attention(self, query, view, mask, positions, scaling):
-        """SDPA over the view, or explicit probabilities when the evictor accumulates them."""
+    def _paged_attention(self, query, positions, scaling):
+        """The fused decode attention over the store's blocks and buffer (no dense view)."""
+        evictor = self.cache.policy.evictor
+        sources = self.store.attention_sources()
+        backend = self.cache.attention_backend
+        if evictor is None or not evictor.needs_probs:
+            return paged_decode_attention(query, sources, scaling, backend=backend)
+        out, probs = paged_decode_attention(query, sources, scaling, probs=True, backend=backend)
+        probs = probs[:, :, None, :] * (positions >= 0)[:, None, :, None]  # padding queries receive nothing
+        valid = torch.cat([(s.slots() >= 0) & s.valid[s.slots().clamp(min=0)] for s in sources], dim=1)
+        for name, d in (evictor.observe(probs, valid) or {}).items():
+            self.store.add_to_slots(name, d)
+        return out
+
+    def _attention(self, query, view, positions, scaling):
+        """SDPA over the dense view, or explicit probabilities when the evictor accumulates them."""
         policy = self.cache.policy
         store = self.store
+        mask = view.valid[:, None, None, :] & (view.positions[:, None, None, :] <= positions[:, None, :, None])
+        # Padding queries see nothing; let them attend anywhere (their output is never used).
+        mask = mask | ~mask.any(-1, keepdim=True)
         if policy.evictor is not None and policy.evictor.needs_probs:
             out, probs = _attention_with_probs(query, view.keys, view.values, mask, scaling)
             probs = probs * (positions >= 0)[:, None, :, None]  # padding queries receive nothing
@@ -174,8 +200,12 @@ def _attention_with_probs(query, keys, values, mask, scaling):
 class KVComposeCache(Cache):
     """A transformers cache whose layers live in the kvcompose paged store."""
 
-    def __init__(self, policy: "Policy", num_layers: int):
+    def __init__(self, policy: "Policy", num_layers: int, fused_attention: bool = True):
         self.policy = policy
+        # Decode steps attend through the fused paged kernel (Triton on CUDA, its torch
+        # reference elsewhere); False: always the dense view + SDPA (the eager reference).
+        self.fused_attention = fused_attention
+        self.attention_backend: str | None = None  # None: auto; "triton"/"torch" to force one
         # Callables ``(layer_idx, query, view, query_positions, scaling)`` run after each
         # attention, before compression: the fidelity harness reads attention through them.
         self.observers: list = []

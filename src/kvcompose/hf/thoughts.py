@@ -59,8 +59,16 @@ class ThoughtTracker:
         generated = store.columns_seen - (store.prompt_columns or 0)
         return self.policy.classifier is not None and generated % self.policy.refresh == 0
 
+    def needs_view(self, layer_idx: int, store) -> bool:
+        """Whether :meth:`observe` reads this layer's keys now (a refresh step on a classifier layer)."""
+        classifier = self.policy.classifier
+        return (self.is_refresh_step(store) and classifier.needs == "sparsity"
+                and layer_idx in classifier.layers)
+
     def observe(self, layer_idx: int, query, view, scaling: float, store) -> None:
-        """At refresh steps: measure sparsity on the classifier's layers; classify after the last layer."""
+        """At refresh steps: measure sparsity on the classifier's layers; classify after the last layer.
+
+        ``view`` may be None except where :meth:`needs_view` says the keys are read."""
         if not self.is_refresh_step(store):
             return
         classifier = self.policy.classifier

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.paged_attention import KVOperand
+
 
 class SlotCodec:
     """Base class. ``group_tokens > 1`` means tokens are encoded ``group_tokens`` at a time."""
@@ -34,6 +36,13 @@ class SlotCodec:
                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-slot tensors ``[N, S, ...]`` of ``N`` whole blocks → keys, values ``[N, S, H, D]``
         (``dtype``: what quantized formats decode to; stored dense tensors come back as they are)."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def kv_operands(self, slots: dict, groups: dict, row_scales: dict) -> tuple[KVOperand, KVOperand]:
+        """Keys and values of a whole pool as the decode-attention op reads them in place.
+
+        ``slots``/``groups``: the pool's flat per-slot and per-group tensors; ``row_scales``:
+        the store's per-sequence scales of this format (``{"k": [B, H], "v": [B, H]}``)."""
         raise NotImplementedError  # pragma: no cover - interface
 
     def check_errors(self) -> None:
@@ -69,3 +78,6 @@ class DenseCodec(SlotCodec):
 
     def decode(self, slots, blocks, row_scales, dtype=None):
         return slots["k"], slots["v"]
+
+    def kv_operands(self, slots, groups, row_scales):
+        return KVOperand("dense", slots["k"]), KVOperand("dense", slots["v"])

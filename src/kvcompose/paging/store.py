@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.paged_attention import KVOperand, PagedSource
 from .codec import DenseCodec, SlotCodec
 from .pool import BlockPool
 from .region import Region
@@ -233,6 +234,55 @@ class LayerStore:
         keys, values, positions, valid, region, phys = (torch.cat(x, dim=1) for x in zip(*parts, buffer))
         classes = torch.cat([region[:, :cols], self.buf_meta["cls"]], dim=1)
         return StoreView(keys.transpose(1, 2), values.transpose(1, 2), positions, valid, region, phys, cols, classes)
+
+    # ------------------------------------------------------- in-place reads
+    def attention_sources(self) -> list[PagedSource]:
+        """The layer's tokens where they lie, for :func:`~kvcompose.ops.paged_decode_attention`:
+        one source per pool (the block tables of the regions sharing it side by side), then
+        the recent buffer. Nothing is copied or decoded; no host synchronization."""
+        return [source for source, _ in self._sources()]
+
+    def _sources(self) -> list[tuple[PagedSource, dict]]:
+        """``(source, its flat per-slot metadata channels)`` in :meth:`attention_sources` order."""
+        out = []
+        for name, pool in self.pools.items():
+            table = torch.cat([r.table for r in self.regions if r.pool is pool], dim=1)
+            if table.shape[1] == 0:
+                continue
+            meta = pool.flat_slots(pool.meta)
+            k, v = pool.codec.kv_operands(pool.flat_slots(pool.slots), pool.flat_groups(), self.row_scales[name])
+            out.append((PagedSource(k, v, table, pool.block_size, meta["valid"]), meta))
+        B, cap = self.buf_k.shape[:2]
+        if cap:
+            flat = (B * cap, self.num_kv_heads, self.head_dim)
+            rows = torch.arange(B, device=self.device)[:, None]
+            meta = {n: t.view(-1) for n, t in self.buf_meta.items()}
+            source = PagedSource(KVOperand("dense", self.buf_k.view(flat)), KVOperand("dense", self.buf_v.view(flat)),
+                                 rows, cap, meta["valid"])
+            out.append((source, meta))
+        return out
+
+    def add_to_slots(self, name: str, delta: torch.Tensor) -> None:
+        """Add ``[B, L]`` increments aligned with the columns of :meth:`attention_sources` to a float channel."""
+        col = 0
+        for source, meta in self._sources():
+            slots = source.slots()
+            d = delta[:, col:col + slots.shape[1]]
+            ok = slots >= 0
+            meta[name].index_add_(0, slots[ok], d[ok].to(torch.float32))
+            col += slots.shape[1]
+
+    def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Live tokens and live prompt tokens per row (``[B]`` each), read from slot metadata only."""
+        stored = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        prompt = torch.zeros_like(stored)
+        for source, meta in self._sources():
+            slots = source.slots()
+            flat = slots.clamp(min=0)
+            live = (slots >= 0) & meta["valid"][flat]
+            stored += live.sum(1)
+            prompt += (live & (meta["pos"][flat] < (self.prompt_columns or 0))).sum(1)
+        return stored, prompt
 
     def channel(self, name: str, view: StoreView) -> torch.Tensor:
         """A float metadata channel, aligned with ``view``'s columns."""

@@ -205,13 +205,15 @@ class Policy:
             float_channels=tuple(getattr(self.evictor, "slot_channels", ())), codecs=codecs,
         )
 
-    def make_cache(self, model):
-        """A fresh transformers cache for ``model`` (which must use ``attn_implementation="kvcompose"``)."""
+    def make_cache(self, model, fused_attention: bool = True):
+        """A fresh transformers cache for ``model`` (which must use ``attn_implementation="kvcompose"``).
+
+        ``fused_attention=False`` keeps every step on the dense view + SDPA (the eager reference)."""
         from ..hf.cache import KVComposeCache
         from ..hf.model_check import check_model
 
         num_layers = check_model(model)
-        return KVComposeCache(self, num_layers)
+        return KVComposeCache(self, num_layers, fused_attention=fused_attention)
 
     def generate(self, model, tokenizer, prompts, max_new_tokens: int = 256, **generate_kwargs):
         """Generate for a list of prompts under this policy; see :func:`kvcompose.hf.generate`."""
@@ -220,8 +222,11 @@ class Policy:
         return generate(self, model, tokenizer, prompts, max_new_tokens=max_new_tokens, **generate_kwargs)
 
     # ------------------------------------------------------------ compression
-    def compress(self, layer, view: StoreView) -> bool:
-        """Run trigger → evictor → pager on one layer after attention. Returns True if it evicted."""
+    def compress(self, layer, view: StoreView | None = None) -> bool:
+        """Run trigger → evictor → pager on one layer after attention. Returns True if it evicted.
+
+        Without a ``view`` the trigger decides on counts read from slot metadata, and the
+        dense view (which evictors score) is built only when it fires."""
         if self.evictor is None:
             return False
         store = layer.store
@@ -229,22 +234,27 @@ class Policy:
         keep = self.trigger.plan(counts)
         if not bool(self.trigger.fires(counts, keep).any()):
             return False
+        view = view if view is not None else store.view()
         ctx = self.eviction_context(store, view, keep, layer.queries, layer.query_positions, layer.scaling)
         self.pager.compact(store, view, self.evictor.select(ctx))
         return True
 
-    def trigger_input(self, store: LayerStore, view: StoreView) -> TriggerInput:
-        """The per-row counts a trigger decides on."""
-        is_prompt = view.valid & (view.positions < store.prompt_columns)
+    def trigger_input(self, store: LayerStore, view: StoreView | None = None) -> TriggerInput:
+        """The per-row counts a trigger decides on (from ``view``, or from the store's slot metadata)."""
+        if view is None:
+            stored, prompt = store.counts()
+        else:
+            stored = view.valid.sum(1)
+            prompt = (view.valid & (view.positions < store.prompt_columns)).sum(1)
         return TriggerInput(
-            stored=view.valid.sum(1),
-            prompt=is_prompt.sum(1),
+            stored=stored,
+            prompt=prompt,
             generated=store.tokens_seen - store.prompt_tokens,
             budget=self.budget,
             segment=self.refresh,
         )
 
-    def plan(self, store: LayerStore, view: StoreView) -> torch.Tensor:
+    def plan(self, store: LayerStore, view: StoreView | None = None) -> torch.Tensor:
         """How many tokens each row keeps now (``[B]``; equal to the stored count where nothing is evicted)."""
         return self.trigger.plan(self.trigger_input(store, view))
 

@@ -77,6 +77,11 @@ class Quantizer:
         """Nominal bits per value including block scales and zero points."""
         raise NotImplementedError
 
+    def attention_format(self, role: str) -> str:  # pragma: no cover - interface
+        """How the decode-attention op reads this format's ``role`` tensors in place
+        (a key of :data:`kvcompose.ops.paged_attention.FORMATS`)."""
+        raise NotImplementedError
+
     def bits_per_value_for(self, head_dim: int) -> float:
         """Bits per value for a given head dim (differs from :attr:`bits_per_value` only for INT)."""
         return self.bits_per_value

@@ -50,6 +50,9 @@ class BlockScaledQuantizer(Quantizer):
     def bits_per_value(self) -> float:
         return self.code_bits + 8.0 / BLOCK
 
+    def attention_format(self, role: str) -> str:
+        return self.name  # "nvfp4" or "ternary": the attention op decodes both block-scaled formats
+
     def quantize(self, x, *, role=None, head_scale=None, backend=None, flags=None):
         check_role(role)
         codes, block_scales, s2 = self.quantize_op(x, head_scale, backend=backend, flags=flags)

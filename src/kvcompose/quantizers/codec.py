@@ -23,6 +23,7 @@ import json
 
 import torch
 
+from ..ops.paged_attention import KVOperand
 from ..ops.quant_common import check_flags, flag_bits, new_flags
 from ..paging.codec import SlotCodec
 from ..registry import to_config
@@ -124,6 +125,23 @@ class QuantCodec(SlotCodec):
         """``[M, H]`` second-level scales of M tokens: their row's ``A`` times the format's unit scale."""
         unit = next(v for k, v in fields.values() if k == "head").to(device)
         return row_scales[prefix].to(device=device, dtype=torch.float32) * unit
+
+    def kv_operands(self, slots, groups, row_scales):
+        """The pool's codes and scales for in-place decode attention (no copy, no decode)."""
+        out = []
+        for role in ("key", "value"):
+            prefix = role[0]
+            fields = self.layout[role]
+            t = {name: (slots if kind == "slot" else groups)[f"{prefix}.{name}"]
+                 for name, (kind, _) in fields.items() if kind in ("slot", "group")}
+            codes = t["codes"]
+            head = self._token_scales(fields, row_scales, prefix, codes.device) if self.two_level else None
+            out.append(KVOperand(
+                self.quantizer.attention_format(role), codes, scale=t.get("block_scales", t.get("scale")),
+                minimum=t.get("minimum"), head_scale=head, bits=getattr(self.quantizer, "bits", 0),
+                token_group=getattr(self.quantizer, "token_group", 1),
+            ))
+        return out[0], out[1]
 
     def decode(self, slots, blocks, row_scales, dtype: torch.dtype = torch.float32):
         out = []

@@ -42,6 +42,9 @@ class FP8Quantizer(Quantizer):
     def bits_per_value(self) -> float:
         return 8.0
 
+    def attention_format(self, role: str) -> str:
+        return "fp8"
+
     def quantize(self, x, *, role=None, head_scale=None, backend=None, flags=None) -> FP8Packed:
         check_role(role)
         codes, scale = fp8_quantize(x, head_scale, backend=backend, flags=flags)

@@ -119,6 +119,9 @@ class IntQuantizer(Quantizer):
             return token
         return (self.bits + overhead / self.token_group + token) / 2
 
+    def attention_format(self, role: str) -> str:
+        return "int_channel" if self.layout == "kivi" and role == "key" else "int"
+
     def quantize(self, x, *, role=None, head_scale=None, backend=None, flags=None) -> IntPacked:
         check_role(role)
         if head_scale is not None:

@@ -1,0 +1,211 @@
+"""Decode attention alone: the fused paged op per storage format against bf16 SDPA (flash).
+
+Llama-3-8B shapes (32 query heads, 8 KV heads of 128), one query per row, B x L in
+{1 x 32K, 16 x 8K, 64 x 4K, 256 x 1K}. Every format's tokens sit in shuffled 16-slot
+blocks of a pool (as the store keeps them) plus a 16-token bf16 recent buffer; the op
+is timed as a CUDA-graph replay (its partial launches and the merge). Reported per
+(format, shape): milliseconds, effective TB/s on the bytes the op must read (codes,
+scales, block tables, validity, queries), that rate as a fraction of the measured
+device-to-device copy bandwidth, and the speed-up over
+``F.scaled_dot_product_attention`` on bf16 K/V of the same logical tokens (flash
+backend, GQA, no mask). Each configuration is also checked against the torch
+reference on its first rows.
+
+    python benchmarks/bench_attention_gpu.py --smoke     # a few seconds
+    python benchmarks/bench_attention_gpu.py             # the grid -> results/attention_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import common
+from kvcompose import registry
+from kvcompose.ops.paged_attention import (
+    KVOperand,
+    PagedSource,
+    bytes_read,
+    paged_decode_attention,
+    paged_decode_attention_torch,
+)
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, BUFFER = 32, 8, 128, 16, 16
+SHAPES = [(1, 32768), (16, 8192), (64, 4096), (256, 1024)]
+SMOKE_SHAPES = [(1, 4096), (16, 1024)]
+FORMATS = {  # label -> (key quantizer spec, value quantizer spec); None: bf16 as stored
+    "bf16": (None, None),
+    "fp8": ("fp8", "fp8"),
+    "nvfp4": ("nvfp4", "nvfp4"),
+    "ternary": ("ternary", "ternary"),
+    "int4": ({"name": "int", "bits": 4, "group_size": 32},) * 2,
+    "int2": ({"name": "int", "bits": 2, "group_size": 32},) * 2,
+    "kivi2": ({"name": "int", "bits": 2, "layout": "kivi", "token_group": 16},
+              {"name": "int", "bits": 2, "layout": "kivi", "token_group": 16}),
+}
+UNIT = {"fp8": 1 / 448, "nvfp4": 1 / (6 * 448), "ternary": 1 / 448}
+TARGETS = {"frac_copy": 0.8, "speedup": {"nvfp4": 3.0, "ternary": 3.0, "fp8": 1.8, "bf16": 1.0}}
+
+
+def operand(spec, role: str, x: torch.Tensor, row_of: torch.Tensor, B: int) -> KVOperand:
+    if spec is None:
+        return KVOperand("dense", x)
+    q = registry.build("quantizer", spec)
+    fmt = q.attention_format(role)
+    if fmt in UNIT:
+        hs = torch.full((B, x.shape[1]), 4.0 * 2 * UNIT[fmt], device=x.device)  # headroom 2 x amax ~4 of randn
+        p = q.quantize(x, role=role, head_scale=hs[row_of])
+        return KVOperand(fmt, p.codes, scale=getattr(p, "block_scales", None), head_scale=hs)
+    p = q.quantize(x, role=role)
+    return KVOperand(fmt, p.codes, p.scale, p.minimum, bits=q.bits, token_group=q.token_group)
+
+
+def build(label: str, B: int, L: int, device) -> tuple[list[PagedSource], torch.Tensor, torch.Tensor]:
+    """The pool + buffer sources of ``B`` rows of ``L`` tokens, and the same tokens as dense bf16 K, V."""
+    g = torch.Generator(device=device).manual_seed(0)
+    pool_tokens = L - BUFFER
+    W = pool_tokens // BLOCK
+    perm = torch.randperm(B * W, device=device, generator=g)
+    table = perm.view(B, W)
+    row_of = torch.arange(B, device=device).repeat_interleave(W)[torch.argsort(perm)].repeat_interleave(BLOCK)
+    n = B * W * BLOCK
+    kspec, vspec = FORMATS[label]
+    # Quantize in chunks to bound the temporary bf16 tensors.
+    k = torch.randn(n, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g)
+    key = operand(kspec, "key", k, row_of, B)
+    del k
+    v = torch.randn(n, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g)
+    value = operand(vspec, "value", v, row_of, B)
+    del v
+    valid = torch.ones(n, dtype=torch.bool, device=device)
+    buf = torch.randn(2, B * BUFFER, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g)
+    buffer = PagedSource(KVOperand("dense", buf[0]), KVOperand("dense", buf[1]),
+                         torch.arange(B, device=device)[:, None], BUFFER, torch.ones(B * BUFFER, dtype=torch.bool,
+                                                                                      device=device))
+    return [PagedSource(key, value, table, BLOCK, valid), buffer]
+
+
+def graph_ms(fn, repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds of one ``fn()`` from CUDA-graph replays (10 calls per graph)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 10)
+    return statistics.median(times)
+
+
+def copy_tbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = graph_ms(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() / (ms * 1e-3) / 1e12
+
+
+def sdpa_ms(query: torch.Tensor, B: int, L: int) -> tuple[float, str]:
+    """bf16 SDPA over ``L`` tokens per row, flash backend with GQA (or the best backend that runs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    k = torch.randn(B, KV_HEADS, L, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda: F.scaled_dot_product_attention(query, k, v, enable_gqa=True)  # noqa: E731
+                fn()
+                return graph_ms(fn, 20), backend.name.lower()
+        except RuntimeError:
+            continue
+    raise RuntimeError("no SDPA backend ran")
+
+
+def check(query, sources) -> float:
+    """Max abs difference to the torch reference on the first two rows."""
+    n = min(2, query.shape[0])
+
+    def rows(op: KVOperand) -> KVOperand:
+        return dataclasses.replace(op, head_scale=None if op.head_scale is None else op.head_scale[:n])
+
+    sub = [dataclasses.replace(s, key=rows(s.key), value=rows(s.value), table=s.table[:n]) for s in sources]
+    out = paged_decode_attention(query[:n], sub, HEAD_DIM ** -0.5)
+    ref = paged_decode_attention_torch(query[:n], sub, HEAD_DIM ** -0.5)
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def run(shapes, formats, repeats: int) -> tuple[float, list[dict]]:
+    copy = copy_tbps()
+    print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
+    results = []
+    for B, L in shapes:
+        query = torch.randn(B, Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        base_ms, backend = sdpa_ms(query, B, L)
+        torch.cuda.empty_cache()
+        for label in formats:
+            sources = build(label, B, L, "cuda")
+            ms = graph_ms(lambda: paged_decode_attention(query, sources, HEAD_DIM ** -0.5), repeats)
+            nbytes = bytes_read(sources, query)
+            tbps = nbytes / (ms * 1e-3) / 1e12
+            row = {"format": label, "batch": B, "tokens": L, "ms": ms, "bytes": nbytes, "tb_per_s": tbps,
+                   "fraction_of_copy": tbps / copy, "sdpa_ms": base_ms, "sdpa_backend": backend,
+                   "speedup_vs_sdpa": base_ms / ms, "max_abs_diff_vs_reference": check(query, sources)}
+            results.append(row)
+            print(f"{label:8s} B={B:4d} L={L:6d}  {ms:8.4f} ms  {tbps:5.2f} TB/s  {row['fraction_of_copy']:5.1%} "
+                  f"of copy  sdpa {base_ms:8.4f} ms ({backend})  x{row['speedup_vs_sdpa']:.2f}  "
+                  f"diff {row['max_abs_diff_vs_reference']:.2e}", flush=True)
+            del sources
+            torch.cuda.empty_cache()
+    return copy, results
+
+
+def table(results: list[dict]) -> str:
+    rows = [[r["format"], f"{r['batch']}x{r['tokens']}", f"{r['ms']:.4f}", f"{r['tb_per_s']:.2f}",
+             f"{r['fraction_of_copy']:.0%}", f"{r['sdpa_ms']:.4f}", f"{r['speedup_vs_sdpa']:.2f}"] for r in results]
+    return common.format_table(["format", "BxL", "ms", "TB/s", "of copy", "sdpa ms", "speedup"], rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="two small shapes, few repeats")
+    p.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--out", default=str(common.RESULTS_DIR / "attention_gpu.json"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention_gpu needs a CUDA GPU", file=sys.stderr)
+        return 2
+    wall = time.perf_counter()
+    copy, results = run(SMOKE_SHAPES if args.smoke else SHAPES, args.formats, 5 if args.smoke else args.repeats)
+    data = {"benchmark": "fused paged decode attention vs bf16 SDPA", "smoke": args.smoke,
+            "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK,
+                       "buffer_tokens": BUFFER},
+            "targets": TARGETS, "copy_tb_per_s": copy, "results": results,
+            "seconds": time.perf_counter() - wall, "environment": common.environment()}
+    if not args.smoke:
+        print(f"wrote {common.write_json(args.out, data)}")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""Decode attention that reads the paged store in place, every storage format decoded in registers.
+
+One decode step has one query per row (``[B, Hq, 1, D]``). The kept tokens of a layer
+live in *sources*: a pool of blocks in one storage format, addressed per row through a
+block table, with a validity bit per slot (evicted, padding and empty slots are off),
+plus the dense recent buffer as one more source. :func:`paged_decode_attention` runs:
+
+1. one launch per source of :func:`_paged_partial_kernel`: a program per (row, KV head,
+   split of the row's tokens) decodes a tile of keys and values where they lie (the same
+   arithmetic as the format's reference dequantize, rounded to the query dtype as the
+   dense view is), scores every query head of the KV head's group against it with one
+   ``tl.dot``, and keeps an online softmax; it writes a partial output and its
+   log-sum-exp. Split-KV keeps the GPU busy at batch 1 with long rows;
+2. one launch of :func:`_merge_kernel`, which combines the partial results of all
+   splits of all sources by their log-sum-exp.
+
+Evictors that accumulate attention every step (``h2o``) ask for the step's
+probabilities: the partial kernel writes each valid slot's logit (base 2) in the same
+pass, and one exponential against the merged log-sum-exp turns them into
+probabilities, so the keys are never read twice.
+
+Formats (``KVOperand.fmt``): ``dense`` (bf16/fp16/fp32 as stored), ``fp8`` (E4M3 codes
+times a per-(row, head) scale), ``nvfp4`` and ``ternary`` (codes, an E4M3 scale per 16
+channels, a per-(row, head) second-level scale), ``int`` (asymmetric INT-k with a
+scale and minimum per channel group of one token) and ``int_channel`` (KIVI keys:
+scale and minimum per channel over ``token_group`` consecutive slots of a block).
+:func:`paged_decode_attention_torch` is the plain-torch reference: it dequantizes each
+source with the formats' reference functions, concatenates, and runs softmax attention
+with the validity mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import os
+
+from .quant_common import (
+    HAS_TRITON,
+    OUT_KINDS,
+    cdiv,
+    e2m1_decode_tl,
+    e4m3_decode_tl,
+    interpreted,
+    jit,
+    next_pow2,
+    out_buffer,
+    store_out_tl,
+    tl,
+    unpack_codes,
+)
+from .quant_fp8 import fp8_dequantize_torch
+from .quant_int import int_token_dequantize_torch
+from .quant_nvfp4 import nvfp4_dequantize_torch
+from .quant_ternary import ternary_dequantize_torch
+
+#: Storage formats the op decodes, and their kernel codes (``FMT`` constexpr).
+FORMATS = {"dense": 0, "fp8": 1, "nvfp4": 2, "ternary": 3, "int": 4, "int_channel": 5}
+#: Codes per byte of the packed formats (``int`` and ``int_channel``: ``8 // bits``).
+_PER_BYTE = {"dense": 1, "fp8": 1, "nvfp4": 2, "ternary": 4}
+BLOCK_N = 64  # tokens per tile of the partial kernel
+TOKENS_PER_SPLIT_MIN = 256  # a split never holds fewer tokens than this (unless the row is shorter)
+PROGRAMS_PER_SM = 4  # split-KV aims at this many programs per SM
+WARPS = 4
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read by triton.jit at import, as here
+LOG2E = 1.4426950408889634
+
+
+@dataclass
+class KVOperand:
+    """Keys or values of one source in their storage format.
+
+    ``codes``: per-slot payload ``[slots, H, D / codes per byte]`` (``dense``: the values
+    themselves ``[slots, H, D]``). ``scale``/``minimum``: ``nvfp4``/``ternary`` E4M3 block
+    scales ``[slots, H, D/16]`` (no minimum); ``int`` fp16/fp32 ``[slots, H, D/group]``;
+    ``int_channel`` ``[slots / token_group, H, D]``. ``head_scale``: fp32 ``[B, H]``
+    second-level scale of each row and head (``fp8``, ``nvfp4``, ``ternary``).
+    """
+
+    fmt: str
+    codes: torch.Tensor
+    scale: torch.Tensor | None = None
+    minimum: torch.Tensor | None = None
+    head_scale: torch.Tensor | None = None
+    bits: int = 0
+    token_group: int = 1
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown KV storage format {self.fmt!r}; accepted: {', '.join(FORMATS)}")
+        if self.fmt.startswith("int") and self.bits not in (2, 4, 8):
+            raise ValueError(f"{self.fmt} operand: bits={self.bits!r}; accepted: 2, 4, 8")
+        needs = {"fp8": ("head_scale",), "nvfp4": ("scale", "head_scale"), "ternary": ("scale", "head_scale"),
+                 "int": ("scale", "minimum"), "int_channel": ("scale", "minimum")}.get(self.fmt, ())
+        missing = [n for n in needs if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"{self.fmt} operand needs {', '.join(missing)}")
+
+    @property
+    def per_byte(self) -> int:
+        return 8 // self.bits if self.fmt.startswith("int") else _PER_BYTE[self.fmt]
+
+    def head_dim(self) -> int:
+        return self.codes.shape[-1] * self.per_byte
+
+
+@dataclass
+class PagedSource:
+    """One pool's worth of a layer's kept tokens: row ``b``'s token ``t`` lives in slot
+    ``table[b, t // block_size] * block_size + t % block_size`` (table entry -1: no block);
+    a slot takes part only where ``valid[slot]`` is set."""
+
+    key: KVOperand
+    value: KVOperand
+    table: torch.Tensor  # [B, W] integer block ids
+    block_size: int
+    valid: torch.Tensor  # [slots] bool
+
+    @property
+    def tokens(self) -> int:
+        """Token columns per row (``W * block_size``)."""
+        return self.table.shape[1] * self.block_size
+
+    def slots(self) -> torch.Tensor:
+        """``[B, tokens]`` slot of every token column, -1 where the block is missing."""
+        bs = self.block_size
+        t = torch.arange(self.tokens, device=self.table.device)
+        blk = self.table.long()[:, t // bs]
+        return torch.where(blk >= 0, blk * bs + t % bs, -1)
+
+
+# ---------------------------------------------------------------------------
+# Plain-torch reference
+
+
+def decode_operand_torch(op: KVOperand, slots: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values ``[M, H, D]`` of the given slots (``rows``: the batch row of each), rounded to ``dtype``."""
+    if op.fmt == "dense":
+        return op.codes[slots].to(dtype)
+    if op.fmt == "fp8":
+        x = fp8_dequantize_torch(op.codes[slots], op.head_scale[rows])
+    elif op.fmt == "nvfp4":
+        x = nvfp4_dequantize_torch(op.codes[slots], op.scale[slots], op.head_scale[rows])
+    elif op.fmt == "ternary":
+        x = ternary_dequantize_torch(op.codes[slots], op.scale[slots], op.head_scale[rows])
+    elif op.fmt == "int":
+        x = int_token_dequantize_torch(op.codes[slots], op.scale[slots], op.minimum[slots], op.bits)
+    else:  # int_channel: the scale and minimum of the slot's token group
+        group = slots // op.token_group
+        q = unpack_codes(op.codes[slots], op.bits).to(torch.float32)
+        x = q * op.scale[group].to(torch.float32) + op.minimum[group].to(torch.float32)
+    return x.to(dtype)
+
+
+def dense_source_view(src: PagedSource, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values ``[B, H, L, D]`` and validity ``[B, L]`` of one source, decoded to ``dtype``."""
+    slots = src.slots()
+    B, L = slots.shape
+    ok = slots >= 0
+    flat = slots.clamp(min=0).reshape(-1)
+    rows = torch.arange(B, device=slots.device).repeat_interleave(L)
+    k = decode_operand_torch(src.key, flat, rows, dtype)
+    v = decode_operand_torch(src.value, flat, rows, dtype)
+    valid = ok & src.valid[flat].reshape(B, L)
+    shape = (B, L, *k.shape[1:])
+    return k.reshape(shape).transpose(1, 2), v.reshape(shape).transpose(1, 2), valid
+
+
+def paged_decode_attention_torch(query: torch.Tensor, sources: list[PagedSource], scaling: float,
+                                 return_probs: bool = False):
+    """Reference: dequantize each source, concatenate, softmax attention with the validity mask.
+
+    Returns ``[B, Hq, 1, D]`` in the query dtype (rows with no valid token get zeros) and,
+    with ``return_probs``, the probabilities ``[B, Hq, L]`` over the concatenated columns.
+    """
+    B, Hq, _, D = query.shape
+    parts = [dense_source_view(s, query.dtype) for s in sources]
+    keys = torch.cat([p[0] for p in parts], dim=2)
+    values = torch.cat([p[1] for p in parts], dim=2)
+    valid = torch.cat([p[2] for p in parts], dim=1)
+    group = Hq // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).float()
+    v = values.repeat_interleave(group, dim=1).float()
+    logits = (query.float() @ k.transpose(-1, -2)) * scaling
+    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.nan_to_num(logits.softmax(-1), nan=0.0)  # a row with nothing valid attends to nothing
+    out = (probs @ v).to(query.dtype)
+    return (out, probs[:, :, 0]) if return_probs else out
+
+
+# ---------------------------------------------------------------------------
+# Triton kernels
+
+
+@jit
+def _decode_tile(codes_ptr, scale_ptr, min_ptr, hs_ptr, slot, row, head, d, ok,
+                 FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, TG: tl.constexpr):
+    """fp32 values ``[N, DP]`` of channels ``d`` of the slots ``slot`` (int64 ``[N]``) of one head.
+
+    The arithmetic of the formats' reference dequantizers, in their order."""
+    s = slot[:, None]
+    dd = d[None, :]
+    m = ok[:, None] & (dd < D)
+    if FMT == 0:
+        x = tl.load(codes_ptr + (s * H + head) * D + dd, mask=m, other=0.0).to(tl.float32)
+    elif FMT == 1:
+        c = tl.load(codes_ptr + (s * H + head) * D + dd, mask=m, other=0)
+        x = e4m3_decode_tl(c) * tl.load(hs_ptr + row * H + head)
+    elif FMT == 2 or FMT == 3:
+        PER_B: tl.constexpr = 2 if FMT == 2 else 4
+        byte = tl.load(codes_ptr + (s * H + head) * (D // PER_B) + dd // PER_B, mask=m, other=0).to(tl.int32)
+        bs = tl.load(scale_ptr + (s * H + head) * (D // 16) + dd // 16, mask=m, other=0)
+        scale = e4m3_decode_tl(bs) * tl.load(hs_ptr + row * H + head)
+        if FMT == 2:
+            x = e2m1_decode_tl((byte >> ((dd % 2) * 4)) & 15) * scale
+        else:
+            c = (byte >> ((dd % 4) * 2)) & 3
+            x = ((c == 1).to(tl.float32) - (c == 2).to(tl.float32)) * scale
+    else:
+        PER_I: tl.constexpr = 8 // BITS
+        byte = tl.load(codes_ptr + (s * H + head) * (D // PER_I) + dd // PER_I, mask=m, other=0).to(tl.int32)
+        q = ((byte >> ((dd % PER_I) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        if FMT == 4:
+            at = (s * H + head) * (D // GROUP) + dd // GROUP
+        else:
+            at = ((s // TG) * H + head) * D + dd
+        sc = tl.load(scale_ptr + at, mask=m, other=0.0).to(tl.float32)
+        lo = tl.load(min_ptr + at, mask=m, other=0.0).to(tl.float32)
+        x = q * sc + lo
+    return x
+
+
+@jit
+def _as_model(x, OUT: tl.constexpr):
+    """fp32 ``x`` rounded to the model dtype as the dense view is (``OUT`` of :func:`store_out_tl`),
+    in that dtype when compiled; the interpreter keeps the rounded values in fp32 (its bf16
+    arithmetic is not reliable, and the dot of rounded values is the same either way)."""
+    if OUT == 1:
+        bits = x.to(tl.int32, bitcast=True)
+        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return r if INTERPRETED else r.to(tl.bfloat16)
+    elif OUT == 2:
+        r = x.to(tl.float16)
+        return r.to(tl.float32) if INTERPRETED else r
+    return x
+
+
+@jit
+def _paged_partial_kernel(
+    q_ptr, out_ptr, lse_ptr, score_ptr, table_ptr, valid_ptr,
+    kc_ptr, ks_ptr, km_ptr, khs_ptr, vc_ptr, vs_ptr, vm_ptr, vhs_ptr,
+    W, tokens_per_split, split0, total_splits, col0, total_cols, qk_scale,
+    KFMT: tl.constexpr, VFMT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    KGROUP: tl.constexpr, VGROUP: tl.constexpr, KTG: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    BS: tl.constexpr, BLOCK: tl.constexpr, SCORES: tl.constexpr, PREC: tl.constexpr, OUT: tl.constexpr,
+):
+    """Partial attention of one (row, KV head, split): output ``[G, D]`` and log2-sum-exp ``[G]``."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    row = pid // H
+    head = pid % H
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    gm = g < G
+    qh = head * G + g  # query heads of this KV head
+    q = _as_model(tl.load(q_ptr + (row * (H * G) + qh[:, None]) * D + d[None, :],
+                          mask=gm[:, None] & (d[None, :] < D), other=0.0).to(tl.float32), OUT)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, W * BS)
+    n = tl.arange(0, BLOCK)
+    for t0 in range(start, end, BLOCK):
+        t = t0 + n
+        inside = t < end
+        blk = tl.load(table_ptr + row * W + t // BS, mask=inside, other=-1).to(tl.int64)
+        slot = blk * BS + t % BS
+        ok = inside & (blk >= 0)
+        ok = ok & (tl.load(valid_ptr + slot, mask=ok, other=0) != 0)
+        k = _decode_tile(kc_ptr, ks_ptr, km_ptr, khs_ptr, slot, row, head, d, ok, KFMT, H, D, KBITS, KGROUP, KTG)
+        s = tl.dot(q, tl.trans(_as_model(k, OUT)), input_precision=PREC) * qk_scale  # [GP, BLOCK], log2 units
+        s = tl.where(ok[None, :], s, float("-inf"))
+        if SCORES:
+            tl.store(score_ptr + (row * (H * G) + qh[:, None]) * total_cols + col0 + t[None, :], s,
+                     mask=gm[:, None] & inside[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        v = _decode_tile(vc_ptr, vs_ptr, vm_ptr, vhs_ptr, slot, row, head, d, ok, VFMT, H, D, VBITS, VGROUP, 1)
+        acc = acc * alpha[:, None] + tl.dot(_as_model(p, OUT), _as_model(v, OUT), input_precision=PREC)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    at = (row * (H * G) + qh) * total_splits + split0 + split
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+    tl.store(lse_ptr + at, lse, mask=gm)
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + at[:, None] * D + d[None, :], o, mask=gm[:, None] & (d[None, :] < D))
+
+
+@jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, D: tl.constexpr, SP: tl.constexpr,
+                  DP: tl.constexpr, OUT: tl.constexpr):
+    """Combine the ``S`` partial results of one (row, query head) by their log2-sum-exp."""
+    pid = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SP)
+    d = tl.arange(0, DP)
+    lse = tl.load(lse_ptr + pid * S + s, mask=s < S, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    total = tl.sum(w, 0)
+    o = tl.load(part_ptr + (pid * S + s[:, None]) * D + d[None, :], mask=(s[:, None] < S) & (d[None, :] < D),
+                other=0.0)
+    merged = tl.sum(o * w[:, None], 0) / tl.maximum(total, 1e-30)
+    store_out_tl(out_ptr + pid * D + d, merged, d < D, OUT)
+    tl.store(final_lse_ptr + pid, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")))
+
+
+# ---------------------------------------------------------------------------
+# Launchers
+
+
+def plan_splits(rows: int, tokens: int, device: torch.device) -> int:
+    """Splits per row so that ``rows * splits`` programs fill the GPU, each split >= 256 tokens."""
+    if tokens == 0:
+        return 0
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = cdiv(PROGRAMS_PER_SM * sms, max(rows, 1))
+    else:
+        want = 2  # the interpreter: exercise the merge without slowing tests down
+    return max(1, min(want, cdiv(tokens, TOKENS_PER_SPLIT_MIN)))
+
+
+def _operand_args(op: KVOperand, device) -> tuple:
+    dummy = torch.zeros(1, device=device)
+    return (op.codes, op.scale if op.scale is not None else dummy, op.minimum if op.minimum is not None else dummy,
+            op.head_scale.float().contiguous() if op.head_scale is not None else dummy)
+
+
+def _operand_constants(op: KVOperand, D: int) -> tuple[int, int, int]:
+    """(bits, channel group of ``int`` scales, token group of ``int_channel`` scales)."""
+    group = D // op.scale.shape[-1] if op.fmt == "int" else 1
+    return op.bits, group, op.token_group
+
+
+def check_sources(query: torch.Tensor, sources: list[PagedSource]) -> None:
+    """Shapes and dtypes the kernel relies on; errors name the bad value."""
+    if query.dim() != 4 or query.shape[2] != 1:
+        raise ValueError(f"decode attention takes one query per row [B, Hq, 1, D]; got shape {tuple(query.shape)}")
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"query dtype {query.dtype} not supported; accepted: float16, bfloat16, float32")
+    B, Hq, _, D = query.shape
+    for i, src in enumerate(sources):
+        for role, op in (("key", src.key), ("value", src.value)):
+            H = op.codes.shape[1]
+            if op.codes.dim() != 3 or op.head_dim() != D or Hq % H:
+                raise ValueError(
+                    f"source {i} {role}s: codes of shape {tuple(op.codes.shape)} ({op.fmt}) do not fit queries of "
+                    f"shape {tuple(query.shape)} (need [slots, H, D / codes per byte] with Hq a multiple of H)"
+                )
+            if op.fmt == "dense" and op.codes.dtype != query.dtype:
+                raise ValueError(f"source {i} {role}s: dtype {op.codes.dtype} differs from the query dtype {query.dtype}")
+            if op.head_scale is not None and tuple(op.head_scale.shape) != (B, H):
+                raise ValueError(
+                    f"source {i} {role}s: head_scale of shape {tuple(op.head_scale.shape)}; expected {(B, H)}")
+        if src.table.dim() != 2 or src.table.shape[0] != B:
+            raise ValueError(f"source {i}: block table of shape {tuple(src.table.shape)}; expected [{B}, W]")
+
+
+def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scaling: float, *,
+                           probs: bool = False, backend: str | None = None):
+    """Attention of one decode step over paged sources: ``[B, Hq, 1, D]`` in the query dtype.
+
+    With ``probs=True`` also returns the attention probabilities ``[B, Hq, L]`` over the
+    concatenated token columns of the sources (0 where a slot is not valid): the kernel
+    writes each slot's logit in the same pass, and one exponential against the merged
+    log-sum-exp finishes them (what accumulating evictors such as ``h2o`` read).
+    ``backend``: None (Triton on CUDA, the torch reference elsewhere), "triton" (CUDA, or the
+    CPU interpreter under ``TRITON_INTERPRET=1``), "torch". Rows with no valid token get zeros.
+    """
+    check_sources(query, sources)
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"unknown backend {backend!r}; accepted: None (auto), 'triton', 'torch'")
+    if backend == "triton" and not (HAS_TRITON and (query.is_cuda or interpreted(_paged_partial_kernel))):
+        raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (set before importing kvcompose)")
+    # Auto picks the kernel on CUDA only: a model's every decode step through the CPU
+    # interpreter would be too slow, so CPU runs the reference unless asked otherwise.
+    if backend == "torch" or (backend is None and not (HAS_TRITON and query.is_cuda)):
+        return paged_decode_attention_torch(query, sources, scaling, return_probs=probs)
+    return _paged_decode_triton(query, sources, scaling, probs)
+
+
+def _paged_decode_triton(query, sources, scaling, probs):
+    B, Hq, _, D = query.shape
+    q = query.contiguous()
+    device = q.device
+    sources = [s for s in sources if s.tokens > 0]
+    H = sources[0].key.codes.shape[1] if sources else Hq
+    G = Hq // H
+    splits = [plan_splits(B * H, s.tokens, device) for s in sources]
+    total = max(1, sum(splits))
+    part = torch.empty(B, Hq, total, D, dtype=torch.float32, device=device)
+    lse = torch.full((B, Hq, total), float("-inf"), dtype=torch.float32, device=device)
+    cols = sum(s.tokens for s in sources)
+    logits = torch.full((B, Hq, cols), float("-inf"), device=device) if probs else torch.empty(1, device=device)
+    split0 = col0 = 0
+    for src, n in zip(sources, splits):
+        per = cdiv(cdiv(src.tokens, n), BLOCK_N) * BLOCK_N
+        table = src.table.to(torch.int32).contiguous()
+        kb, kg, ktg = _operand_constants(src.key, D)
+        vb, vg, _ = _operand_constants(src.value, D)
+        _paged_partial_kernel[(B * H, n)](
+            q, part, lse, logits, table, src.valid.view(torch.uint8),
+            *_operand_args(src.key, device), *_operand_args(src.value, device),
+            table.shape[1], per, split0, total, col0, cols, scaling * LOG2E,
+            KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
+            KTG=ktg, H=H, G=G, GP=max(16, next_pow2(G)), D=D, DP=max(16, next_pow2(D)), BS=src.block_size,
+            BLOCK=BLOCK_N, SCORES=probs, PREC="ieee" if q.dtype == torch.float32 else "tf32", OUT=OUT_KINDS[q.dtype],
+            num_warps=WARPS,
+        )
+        split0 += n
+        col0 += src.tokens
+    out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
+    final = torch.empty(B, Hq, dtype=torch.float32, device=device)
+    _merge_kernel[(B * Hq,)](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=next_pow2(D), OUT=kind,
+                             num_warps=WARPS)
+    if not probs:
+        return out
+    return out, torch.exp2(logits - final[..., None]).nan_to_num(0.0)  # -inf - -inf (empty row) -> 0
+
+
+def bytes_read(sources: list[PagedSource], query: torch.Tensor) -> int:
+    """Bytes the kernel must read for one step: codes, scales, tables, validity and queries."""
+    total = query.numel() * query.element_size()
+    for src in sources:
+        total += src.table.numel() * 4 + src.valid.numel() * src.valid.element_size()
+        for op in (src.key, src.value):
+            for t in (op.codes, op.scale, op.minimum, op.head_scale):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = [
+    "FORMATS", "KVOperand", "PagedSource", "bytes_read", "decode_operand_torch", "dense_source_view",
+    "paged_decode_attention", "paged_decode_attention_torch", "plan_splits",
+]

@@ -1,0 +1,213 @@
+"""The fused paged decode attention: kernel vs torch reference, store integration, end-to-end parity."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import greedy, left_padded, tiny_model
+from kvcompose import Policy, registry
+from kvcompose.ops.paged_attention import (
+    KVOperand,
+    PagedSource,
+    paged_decode_attention,
+    paged_decode_attention_torch,
+)
+
+FORMATS = ["dense", "fp8", "nvfp4", "ternary", "int", "int_channel"]
+UNIT = {"fp8": 1 / 448, "nvfp4": 1 / (6 * 448), "ternary": 1 / 448}  # per-head scale of amax 1
+
+
+def block_table(lengths, bs, holes, g):
+    """A shuffled block table for rows of the given lengths, and the per-slot validity."""
+    B, W = len(lengths), max(1, max(-(-n // bs) for n in lengths))
+    perm = torch.randperm(B * W, generator=g)
+    table = torch.full((B, W), -1, dtype=torch.long)
+    valid = torch.zeros(B * W * bs, dtype=torch.bool)
+    row_of = torch.zeros(B * W * bs, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        used = -(-n // bs)
+        table[b, :used] = perm[b * W: b * W + used]
+        t = torch.arange(n)
+        slots = table[b, t // bs] * bs + t % bs
+        valid[slots] = True
+        if holes:  # the ct pager's in-place evictions: every third token gone
+            valid[slots[::3]] = False
+        for blk in table[b, :used]:
+            row_of[blk * bs: (blk + 1) * bs] = b
+    return table, valid, row_of
+
+
+def operand(fmt, x, row_of, B, role, g):
+    """``x`` ``[slots, H, D]`` in storage format ``fmt``, with a random per-row head scale where it has one."""
+    H = x.shape[1]
+    if fmt == "dense":
+        return KVOperand("dense", x)
+    if fmt in UNIT:
+        hs = (torch.rand(B, H, generator=g) * 4 + 2) * UNIT[fmt]
+        p = registry.build("quantizer", fmt).quantize(x, head_scale=hs[row_of])
+        return KVOperand(fmt, p.codes, scale=getattr(p, "block_scales", None), head_scale=hs)
+    if fmt == "int" or role == "value":
+        p = registry.build("quantizer", {"name": "int", "bits": 4, "group_size": 32}).quantize(x)
+        return KVOperand("int", p.codes, p.scale, p.minimum, bits=4)
+    p = registry.build("quantizer", {"name": "int", "bits": 2, "layout": "kivi", "token_group": 16}).quantize(x, role="key")
+    return KVOperand("int_channel", p.codes, p.scale, p.minimum, bits=2, token_group=16)
+
+
+def make_source(fmt, lengths, H, D, dtype=torch.bfloat16, bs=16, holes=False, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    table, valid, row_of = block_table(lengths, bs, holes, g)
+    n = valid.numel()
+    k = torch.randn(n, H, D, generator=g).to(dtype)
+    v = torch.randn(n, H, D, generator=g).to(dtype)
+    src = PagedSource(operand(fmt, k, row_of, len(lengths), "key", g),
+                      operand(fmt, v, row_of, len(lengths), "value", g), table, bs, valid)
+    return to_device(src, device)
+
+
+def to_device(src, device):
+    def op(o):
+        move = (lambda t: None if t is None else t.to(device))
+        return KVOperand(o.fmt, move(o.codes), move(o.scale), move(o.minimum), move(o.head_scale), o.bits,
+                         o.token_group)
+    return PagedSource(op(src.key), op(src.value), src.table.to(device), src.block_size, src.valid.to(device))
+
+
+def check_close(query, sources, backend="triton"):
+    out, probs = paged_decode_attention(query, sources, 0.1, probs=True, backend=backend)
+    ref, ref_probs = paged_decode_attention_torch(query, sources, 0.1, return_probs=True)
+    assert out.dtype == query.dtype and out.shape == query.shape
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[query.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(probs, ref_probs, atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (8, 64)])
+def test_kernel_matches_reference_every_format(fmt, group, head_dim):
+    H = 2
+    src = make_source(fmt, [37, 0, 70], H, head_dim, seed=group)  # rows of different lengths, one empty
+    query = torch.randn(3, H * group, 1, head_dim).to(torch.bfloat16)
+    check_close(query, [src])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_matches_reference_other_dtypes(dtype):
+    src = make_source("nvfp4", [20, 45], 2, 64, dtype=dtype, holes=True)
+    check_close(torch.randn(2, 4, 1, 64).to(dtype), [src])
+
+
+def test_mixed_formats_holes_and_buffer_in_one_call():
+    """ThinKV's layout: an NVFP4 pool (R and E), a ternary pool (T) with holes, the bf16 buffer."""
+    lengths = [50, 3, 90]
+    sources = [make_source("nvfp4", lengths, 2, 64, seed=1), make_source("ternary", lengths, 2, 64, holes=True, seed=2),
+               make_source("dense", [5, 0, 15], 2, 64, bs=15, seed=3)]
+    check_close(torch.randn(3, 8, 1, 64).to(torch.bfloat16), sources)
+
+
+def test_empty_rows_give_zeros_and_no_nan():
+    src = make_source("fp8", [0, 33], 2, 64)
+    out = paged_decode_attention(torch.randn(2, 4, 1, 64).to(torch.bfloat16), [src], 0.1, backend="triton")
+    assert torch.isfinite(out.float()).all() and (out[0] == 0).all()
+
+
+def test_bad_inputs_name_the_value():
+    with pytest.raises(ValueError, match="unknown KV storage format 'fp6'"):
+        KVOperand("fp6", torch.zeros(1, 1, 1))
+    with pytest.raises(ValueError, match="nvfp4 operand needs scale, head_scale"):
+        KVOperand("nvfp4", torch.zeros(1, 1, 1, dtype=torch.uint8))
+    src = make_source("dense", [4], 2, 64)
+    with pytest.raises(ValueError, match=r"one query per row \[B, Hq, 1, D\]"):
+        paged_decode_attention(torch.randn(1, 4, 2, 64).to(torch.bfloat16), [src], 0.1)
+    with pytest.raises(ValueError, match="do not fit queries of shape"):
+        paged_decode_attention(torch.randn(1, 4, 1, 32).to(torch.bfloat16), [src], 0.1)
+    with pytest.raises(ValueError, match="differs from the query dtype"):
+        paged_decode_attention(torch.randn(1, 4, 1, 64), [src], 0.1)
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        paged_decode_attention(torch.randn(1, 4, 1, 64).to(torch.bfloat16), [src], 0.1, backend="cuda")
+
+
+# ----------------------------------------------------------------- the store
+
+
+@pytest.mark.parametrize("precision", [None, {"all": {"name": "fp8"}}, {"all": {"name": "int", "bits": 2,
+                                                                                "layout": "kivi", "token_group": 16}},
+                                       {"R": {"name": "nvfp4"}, "T": {"name": "ternary"}}])
+def test_store_sources_equal_the_dense_view(precision):
+    """The op over the store's sources gives what SDPA over the store's dense view gives."""
+    policy = Policy(precision=precision, group_size=16, residual=4)
+    store = policy.make_store(2, 2, 64, torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for step, n in enumerate([40, 1, 1, 17, 1]):
+        kv = torch.randn(2, 2, n, 64, generator=g).to(torch.bfloat16)
+        cls = torch.full((2, n), step % len(policy.classes))
+        real = torch.ones(2, n, dtype=torch.bool)
+        real[1, : n // 2] = False  # padding in row 1
+        store.append(kv, kv * 0.5, real, cls)
+    query = torch.randn(2, 4, 1, 64, generator=g).to(torch.bfloat16)
+    view = store.view()
+    dense = F.scaled_dot_product_attention(query.float(), view.keys.float(), view.values.float(),
+                                           attn_mask=view.valid[:, None, None, :], scale=0.1, enable_gqa=True)
+    sources = store.attention_sources()
+    for backend in ("torch", "triton"):
+        out = paged_decode_attention(query, sources, 0.1, backend=backend)
+        torch.testing.assert_close(out.float(), dense, atol=1.6e-2, rtol=1.6e-2)
+    stored, _ = store.counts()
+    assert stored.tolist() == view.valid.sum(1).tolist()
+
+
+# ------------------------------------------------------------ end to end
+
+
+PRESETS = {"fullkv": {}, "snapkv": {"budget": 48}, "h2o": {"budget": 48}, "rkv": {"budget": 48},
+           "streamingllm": {"budget": 48}, "nvfp4": {}, "kivi2": {"residual": 32},
+           "thinkv": {"budget": 64, "refresh": 16}}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_fused_decode_gives_the_eager_tokens(llama, name):
+    """Every preset: the fused decode path (CPU: its torch reference) emits the dense path's tokens."""
+    policy = Policy.from_preset(name, **PRESETS[name])
+    _, ids, mask = left_padded([12, 30, 21])
+    fused = greedy(llama, ids, mask, 60, cache=policy.make_cache(llama))
+    eager = greedy(llama, ids, mask, 60, cache=policy.make_cache(llama, fused_attention=False))
+    assert torch.equal(fused, eager)
+
+
+def test_h2o_accumulates_the_same_attention_through_the_kernel(llama):
+    policy = Policy.from_preset("h2o", budget=40)
+    _, ids, mask = left_padded([9, 17])
+    caches = [policy.make_cache(llama), policy.make_cache(llama, fused_attention=False)]
+    caches[0].attention_backend = "triton"  # the interpreted kernel writes the probabilities
+    outs = [greedy(llama, ids, mask, 30, cache=c) for c in caches]
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*(c.views() for c in caches)):
+        acc = [c.layers[0].store.channel("acc", v) for c, v in zip(caches, (a, b))]
+        torch.testing.assert_close(acc[0], acc[1], atol=1e-4, rtol=1e-4)
+        break
+
+
+def test_interpreted_kernel_in_a_model_gives_the_eager_tokens():
+    model = tiny_model(kv_heads=1, heads=4)  # GQA group 4
+    policy = Policy.from_preset("thinkv", budget=64, refresh=16)
+    _, ids, mask = left_padded([10, 23])
+    cache = policy.make_cache(model)
+    cache.attention_backend = "triton"
+    fused = greedy(model, ids, mask, 24, cache=cache)
+    eager = greedy(model, ids, mask, 24, cache=policy.make_cache(model, fused_attention=False))
+    assert torch.equal(fused, eager)
+
+
+# ------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (8, 128)])
+def test_cuda_kernel_matches_reference(fmt, group, head_dim):
+    lengths = [1, 0, 3000, 700, 16, 4097]
+    src = make_source(fmt, lengths, 8 // group if group > 1 else 4, head_dim, holes=fmt == "ternary", device="cuda")
+    H = src.key.codes.shape[1]
+    query = torch.randn(len(lengths), H * group, 1, head_dim, device="cuda").to(torch.bfloat16)
+    check_close(query, [src])
+    buffer = make_source("dense", [5, 0, 15, 1, 0, 15], H, head_dim, bs=15, seed=9, device="cuda")
+    check_close(query, [src, make_source("ternary", lengths, H, head_dim, holes=True, seed=4, device="cuda"), buffer])
