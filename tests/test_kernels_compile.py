@@ -32,3 +32,12 @@ def test_quant_kernels_compile_for_hopper():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if "instr/value" in line]
     assert len(lines) == 17, done.stdout  # 6 two-level kernels x 2 scale layouts + 5 INT variants
+
+
+@pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs Triton with ASTSource and its bundled ptxas")
+def test_attention_kernels_compile_for_hopper():
+    script = SCRIPT.parent / "attention_compile.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "compiled 13 kernels" in done.stdout, done.stdout

@@ -35,8 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-import os
-
 from .quant_common import (
     HAS_TRITON,
     OUT_KINDS,
@@ -64,7 +62,6 @@ BLOCK_N = 64  # tokens per tile of the partial kernel
 TOKENS_PER_SPLIT_MIN = 256  # a split never holds fewer tokens than this (unless the row is shorter)
 PROGRAMS_PER_SM = 4  # split-KV aims at this many programs per SM
 WARPS = 4
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read by triton.jit at import, as here
 LOG2E = 1.4426950408889634
 
 
@@ -234,18 +231,21 @@ def _decode_tile(codes_ptr, scale_ptr, min_ptr, hs_ptr, slot, row, head, d, ok,
 
 
 @jit
-def _as_model(x, OUT: tl.constexpr):
-    """fp32 ``x`` rounded to the model dtype as the dense view is (``OUT`` of :func:`store_out_tl`),
-    in that dtype when compiled; the interpreter keeps the rounded values in fp32 (its bf16
-    arithmetic is not reliable, and the dot of rounded values is the same either way)."""
+def _as_model(x, OUT: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 ``x`` rounded to the model dtype as the dense view is (``OUT`` of :func:`store_out_tl`):
+    in that dtype when compiled (``NATIVE``); the interpreter keeps the rounded values in fp32
+    (its bf16 arithmetic is not reliable, and a dot of the rounded values is the same)."""
+    r = x
     if OUT == 1:
         bits = x.to(tl.int32, bitcast=True)
         r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        return r if INTERPRETED else r.to(tl.bfloat16)
+        if NATIVE:
+            r = r.to(tl.bfloat16)
     elif OUT == 2:
         r = x.to(tl.float16)
-        return r.to(tl.float32) if INTERPRETED else r
-    return x
+        if not NATIVE:
+            r = r.to(tl.float32)
+    return r
 
 
 @jit
@@ -257,6 +257,7 @@ def _paged_partial_kernel(
     KGROUP: tl.constexpr, VGROUP: tl.constexpr, KTG: tl.constexpr,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BS: tl.constexpr, BLOCK: tl.constexpr, SCORES: tl.constexpr, PREC: tl.constexpr, OUT: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
     """Partial attention of one (row, KV head, split): output ``[G, D]`` and log2-sum-exp ``[G]``."""
     pid = tl.program_id(0)
@@ -268,7 +269,7 @@ def _paged_partial_kernel(
     gm = g < G
     qh = head * G + g  # query heads of this KV head
     q = _as_model(tl.load(q_ptr + (row * (H * G) + qh[:, None]) * D + d[None, :],
-                          mask=gm[:, None] & (d[None, :] < D), other=0.0).to(tl.float32), OUT)
+                          mask=gm[:, None] & (d[None, :] < D), other=0.0).to(tl.float32), OUT, NATIVE)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
@@ -283,7 +284,7 @@ def _paged_partial_kernel(
         ok = inside & (blk >= 0)
         ok = ok & (tl.load(valid_ptr + slot, mask=ok, other=0) != 0)
         k = _decode_tile(kc_ptr, ks_ptr, km_ptr, khs_ptr, slot, row, head, d, ok, KFMT, H, D, KBITS, KGROUP, KTG)
-        s = tl.dot(q, tl.trans(_as_model(k, OUT)), input_precision=PREC) * qk_scale  # [GP, BLOCK], log2 units
+        s = tl.dot(q, tl.trans(_as_model(k, OUT, NATIVE)), input_precision=PREC) * qk_scale  # [GP, BLOCK], log2 units
         s = tl.where(ok[None, :], s, float("-inf"))
         if SCORES:
             tl.store(score_ptr + (row * (H * G) + qh[:, None]) * total_cols + col0 + t[None, :], s,
@@ -293,7 +294,7 @@ def _paged_partial_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         v = _decode_tile(vc_ptr, vs_ptr, vm_ptr, vhs_ptr, slot, row, head, d, ok, VFMT, H, D, VBITS, VGROUP, 1)
-        acc = acc * alpha[:, None] + tl.dot(_as_model(p, OUT), _as_model(v, OUT), input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(_as_model(p, OUT, NATIVE), _as_model(v, OUT, NATIVE), input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     at = (row * (H * G) + qh) * total_splits + split0 + split
@@ -423,6 +424,7 @@ def _paged_decode_triton(query, sources, scaling, probs):
             KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
             KTG=ktg, H=H, G=G, GP=max(16, next_pow2(G)), D=D, DP=max(16, next_pow2(D)), BS=src.block_size,
             BLOCK=BLOCK_N, SCORES=probs, PREC="ieee" if q.dtype == torch.float32 else "tf32", OUT=OUT_KINDS[q.dtype],
+            NATIVE=not interpreted(_paged_partial_kernel),
             num_warps=WARPS,
         )
         split0 += n

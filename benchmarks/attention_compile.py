@@ -1,0 +1,58 @@
+"""Compile the paged decode-attention kernels for sm_90 without a GPU, one variant per format.
+
+The interpreter accepts code the compiler rejects, so the CPU suite compiles every
+(key format, value format) pair the store produces, at head dims 64 and 128 and GQA
+groups 1 and 8, with the ``ptxas`` of the Triton wheel. Run without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_sass import compile_for_hopper  # noqa: E402
+
+from kvcompose.ops import paged_attention as pa  # noqa: E402
+
+# (key format, value format, codes dtype, scale dtype, bits)
+PAIRS = [("dense", "dense", "bf16", "fp32", 0), ("fp8", "fp8", "u8", "fp32", 0), ("nvfp4", "nvfp4", "u8", "u8", 0),
+         ("ternary", "ternary", "u8", "u8", 0), ("int", "int", "u8", "fp16", 4), ("int_channel", "int", "u8", "fp16", 2)]
+
+
+def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores):
+    ptr = {"q": "*bf16", "out": "*fp32", "lse": "*fp32", "score": "*fp32", "table": "*i32", "valid": "*u8"}
+    for role in ("k", "v"):
+        ptr.update({f"{role}c": f"*{codes}", f"{role}s": f"*{scale}", f"{role}m": f"*{scale}", f"{role}hs": "*fp32"})
+    names = {"q": "q_ptr", "out": "out_ptr", "lse": "lse_ptr", "score": "score_ptr", "table": "table_ptr",
+             "valid": "valid_ptr"}
+    sig = {names.get(k, f"{k}_ptr"): v for k, v in ptr.items()}
+    sig.update({"W": "i32", "tokens_per_split": "i32", "split0": "i32", "total_splits": "i32", "col0": "i32",
+                "total_cols": "i32", "qk_scale": "fp32"})
+    consts = dict(KFMT=pa.FORMATS[kfmt], VFMT=pa.FORMATS[vfmt], KBITS=bits, VBITS=bits or 0, KGROUP=32, VGROUP=32,
+                  KTG=16, H=8 // group if group > 1 else 8, G=group, GP=16, D=head_dim, DP=head_dim, BS=16,
+                  BLOCK=pa.BLOCK_N, SCORES=scores, PREC="tf32", OUT=1, NATIVE=True)
+    if vfmt == "int" and kfmt == "int_channel":
+        consts["VBITS"] = bits
+    return sig, consts
+
+
+def main() -> int:
+    count = 0
+    for kfmt, vfmt, codes, scale, bits in PAIRS:
+        for group, head_dim in ((1, 64), (8, 128)):
+            sig, consts = partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores=kfmt == "dense")
+            kernel = compile_for_hopper(pa._paged_partial_kernel, sig, consts, pa.WARPS)
+            print(f"partial {kfmt}/{vfmt} G={group} D={head_dim}: {len(kernel.asm['cubin'])} bytes of cubin",
+                  flush=True)
+            count += 1
+    sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32", "S": "i32"}
+    kernel = compile_for_hopper(pa._merge_kernel, sig, dict(D=128, SP=64, DP=128, OUT=1), pa.WARPS)
+    print(f"merge: {len(kernel.asm['cubin'])} bytes of cubin")
+    print(f"compiled {count + 1} kernels")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
