@@ -211,3 +211,16 @@ def test_cuda_kernel_matches_reference(fmt, group, head_dim):
     check_close(query, [src])
     buffer = make_source("dense", [5, 0, 15, 1, 0, 15], H, head_dim, bs=15, seed=9, device="cuda")
     check_close(query, [src, make_source("ternary", lengths, H, head_dim, holes=True, seed=4, device="cuda"), buffer])
+
+
+def test_phase_timer_reports_the_cache_phases(llama):
+    policy = Policy.from_preset("snapkv", budget=40)
+    _, ids, mask = left_padded([20, 8])
+    cache = policy.make_cache(llama)
+    cache.time_phases()
+    greedy(llama, ids, mask, 40, cache=cache)
+    seconds = cache.report().time_s
+    assert set(seconds) == {"attention", "eviction"} and all(v > 0 for v in seconds.values())
+    untimed = policy.make_cache(llama)
+    greedy(llama, ids, mask, 4, cache=untimed)
+    assert untimed.report().time_s is None

@@ -119,7 +119,7 @@ class KVComposeLayer(CacheLayerMixin):
         self.cache._note_memory(self.layer_idx)
         fused = self.cache.fused_attention and query.shape[2] == 1 and not self.cache.observers
         view = None if fused else store.view()
-        with thoughts._timed("attention"):
+        with thoughts.timer.phase("attention"):
             if fused:
                 out = self._paged_attention(query, positions, scaling)
             else:
@@ -129,7 +129,7 @@ class KVComposeLayer(CacheLayerMixin):
         thoughts.observe(self.layer_idx, query, view, scaling, store)
         for observer in self.cache.observers:
             observer(self.layer_idx, query, view, positions, scaling)
-        with thoughts._timed("eviction"):
+        with thoughts.timer.phase("eviction"):
             evicted = policy.compress(self, view)
         if evicted:
             thoughts.note_eviction()
@@ -237,7 +237,7 @@ class KVComposeCache(Cache):
 
     def time_phases(self, enabled: bool = True) -> None:
         """Measure wall time of attention, eviction and classifier refresh (synchronizes CUDA; slows decoding)."""
-        self.thoughts.timing = {} if enabled else None
+        self.thoughts.timer.enable(enabled)
 
     def report(self):
         """Memory and token accounting so far (a :class:`kvcompose.report.Report`)."""

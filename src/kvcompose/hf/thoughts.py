@@ -11,12 +11,11 @@ are reasoning, as in ThinKV).
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..classifiers.base import ClassifierInput
 from ..ops.sparsity import attention_sparsity
+from .timing import PhaseTimer
 
 
 class ThoughtTracker:
@@ -35,7 +34,7 @@ class ThoughtTracker:
         self.forwards = 0
         self.evicting_steps = 0
         self._evicted_this_step = False
-        self.timing: dict[str, float] | None = None  # seconds per phase, when timing is on
+        self.timer = PhaseTimer()  # seconds per phase, when timing is on
 
     # ------------------------------------------------------------- per step
     def classes_for(self, layer_idx: int, batch: int, tokens: int, real, device) -> torch.Tensor:
@@ -75,7 +74,7 @@ class ThoughtTracker:
         B = query.shape[0]
         if self.sparsity is None or self.sparsity.shape[0] != B:
             self.sparsity = torch.full((B, self.num_layers), float("nan"), device=query.device)
-        with self._timed("refresh"):
+        with self.timer.phase("refresh"):
             if classifier.needs == "sparsity" and layer_idx in classifier.layers:
                 self.sparsity[:, layer_idx] = attention_sparsity(
                     query[:, :, -1], view.keys, view.valid, scaling, validate=False
@@ -99,10 +98,6 @@ class ThoughtTracker:
     def note_eviction(self) -> None:
         self._evicted_this_step = True
 
-    # --------------------------------------------------------------- timing
-    def _timed(self, phase: str):
-        return _Timer(self, phase)
-
     def report(self) -> dict:
         """Thought mix (% of real tokens per class), refreshes, eviction call rate, timing."""
         total = int(self.class_tokens.sum()) if self.class_tokens is not None else 0
@@ -116,28 +111,5 @@ class ThoughtTracker:
             "steps": steps,
             "eviction_steps": evicting,
             "eviction_call_rate": 100.0 * evicting / steps if steps else 0.0,
-            "time_s": dict(self.timing) if self.timing is not None else None,
+            "time_s": self.timer.report(),
         }
-
-
-class _Timer:
-    """Adds wall time of a block to ``tracker.timing[phase]`` when timing is on (syncs CUDA)."""
-
-    def __init__(self, tracker: ThoughtTracker, phase: str):
-        self.tracker, self.phase = tracker, phase
-
-    def __enter__(self):
-        if self.tracker.timing is not None:
-            _sync()
-            self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.tracker.timing is not None:
-            _sync()
-            t = self.tracker.timing
-            t[self.phase] = t.get(self.phase, 0.0) + time.perf_counter() - self.start
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

@@ -61,7 +61,7 @@ _PER_BYTE = {"dense": 1, "fp8": 1, "nvfp4": 2, "ternary": 4}
 BLOCK_N = 64  # tokens per tile of the partial kernel
 TOKENS_PER_SPLIT_MIN = 256  # a split never holds fewer tokens than this (unless the row is shorter)
 PROGRAMS_PER_SM = 4  # split-KV aims at this many programs per SM
-WARPS = 4
+WARPS = 2
 LOG2E = 1.4426950408889634
 
 
@@ -192,42 +192,88 @@ def paged_decode_attention_torch(query: torch.Tensor, sources: list[PagedSource]
 
 
 @jit
-def _decode_tile(codes_ptr, scale_ptr, min_ptr, hs_ptr, slot, row, head, d, ok,
-                 FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, TG: tl.constexpr):
-    """fp32 values ``[N, DP]`` of channels ``d`` of the slots ``slot`` (int64 ``[N]``) of one head.
+def _spread(x, N: tl.constexpr, UNITS: tl.constexpr, REPEAT: tl.constexpr):
+    """``[N, UNITS]`` -> ``[N, UNITS * REPEAT]``, each column repeated ``REPEAT`` times in place
+    (a block or group scale spread over the packed columns it covers)."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], [N, UNITS, REPEAT]), [N, UNITS * REPEAT])
 
-    The arithmetic of the formats' reference dequantizers, in their order."""
-    s = slot[:, None]
-    dd = d[None, :]
-    m = ok[:, None] & (dd < D)
+
+@jit
+def _ternary_level(c):
+    """+1, 0 or -1 from the low two bits of ``c`` (code 1: +1, code 2: -1, codes 0 and 3: 0)."""
+    return ((c & 3) == 1).to(tl.float32) - ((c & 3) == 2).to(tl.float32)
+
+
+@jit
+def _kivi_part(byte, scale_ptr, min_ptr, at, m, j: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
+    """Channels ``PER * i + j`` of channel-grouped INT codes: ``q * scale + minimum`` of each channel."""
+    ok = m & (j < PER)
+    q = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    return q * tl.load(scale_ptr + at + j, mask=ok, other=0.0).to(tl.float32) \
+        + tl.load(min_ptr + at + j, mask=ok, other=0.0).to(tl.float32)
+
+
+@jit
+def _decode_parts(codes_ptr, scale_ptr, min_ptr, hs_ptr, slot, row, head, ok,
+                  FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                  TG: tl.constexpr, PER: tl.constexpr, N: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 values of ``N`` slots of one head, split by channel residue: part ``j`` ``[N, D / PER]``
+    holds channels ``PER * i + j``, the ``j``-th code of every packed byte (parts ``>= PER`` repeat
+    part 0 and are unused). Each byte, block scale and group scale is loaded once; the arithmetic
+    is the formats' reference dequantize, in its order."""
+    DQ: tl.constexpr = D // PER
+    i = tl.arange(0, DQ)
+    m = ok[:, None]
+    base = slot[:, None] * H + head  # [N, 1] int64 (token, head) row of the pool
     if FMT == 0:
-        x = tl.load(codes_ptr + (s * H + head) * D + dd, mask=m, other=0.0).to(tl.float32)
+        x0 = tl.load(codes_ptr + base * D + i[None, :], mask=m, other=0.0).to(tl.float32)
+        x1 = x0
+        x2 = x0
+        x3 = x0
     elif FMT == 1:
-        c = tl.load(codes_ptr + (s * H + head) * D + dd, mask=m, other=0)
-        x = e4m3_decode_tl(c) * tl.load(hs_ptr + row * H + head)
+        c = tl.load(codes_ptr + base * D + i[None, :], mask=m, other=0)
+        if NATIVE:  # the hardware conversion: the same values for every code the encoder writes
+            f = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            f = e4m3_decode_tl(c)
+        x0 = f * tl.load(hs_ptr + row * H + head)
+        x1 = x0
+        x2 = x0
+        x3 = x0
     elif FMT == 2 or FMT == 3:
-        PER_B: tl.constexpr = 2 if FMT == 2 else 4
-        byte = tl.load(codes_ptr + (s * H + head) * (D // PER_B) + dd // PER_B, mask=m, other=0).to(tl.int32)
-        bs = tl.load(scale_ptr + (s * H + head) * (D // 16) + dd // 16, mask=m, other=0)
-        scale = e4m3_decode_tl(bs) * tl.load(hs_ptr + row * H + head)
+        byte = tl.load(codes_ptr + base * DQ + i[None, :], mask=m, other=0).to(tl.int32)
+        b = tl.arange(0, D // 16)
+        bs = tl.load(scale_ptr + base * (D // 16) + b[None, :], mask=m, other=0)
+        scale = _spread(e4m3_decode_tl(bs) * tl.load(hs_ptr + row * H + head), N, D // 16, 16 // PER)
         if FMT == 2:
-            x = e2m1_decode_tl((byte >> ((dd % 2) * 4)) & 15) * scale
+            x0 = e2m1_decode_tl(byte & 15) * scale
+            x1 = e2m1_decode_tl(byte >> 4) * scale
+            x2 = x0
+            x3 = x0
         else:
-            c = (byte >> ((dd % 4) * 2)) & 3
-            x = ((c == 1).to(tl.float32) - (c == 2).to(tl.float32)) * scale
+            x0 = _ternary_level(byte) * scale
+            x1 = _ternary_level(byte >> 2) * scale
+            x2 = _ternary_level(byte >> 4) * scale
+            x3 = _ternary_level(byte >> 6) * scale
     else:
-        PER_I: tl.constexpr = 8 // BITS
-        byte = tl.load(codes_ptr + (s * H + head) * (D // PER_I) + dd // PER_I, mask=m, other=0).to(tl.int32)
-        q = ((byte >> ((dd % PER_I) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-        if FMT == 4:
-            at = (s * H + head) * (D // GROUP) + dd // GROUP
-        else:
-            at = ((s // TG) * H + head) * D + dd
-        sc = tl.load(scale_ptr + at, mask=m, other=0.0).to(tl.float32)
-        lo = tl.load(min_ptr + at, mask=m, other=0.0).to(tl.float32)
-        x = q * sc + lo
-    return x
+        byte = tl.load(codes_ptr + base * DQ + i[None, :], mask=m, other=0).to(tl.int32)
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        if FMT == 4:  # one (scale, minimum) per GROUP channels of the token
+            g = tl.arange(0, D // GROUP)
+            at = base * (D // GROUP) + g[None, :]
+            sc = _spread(tl.load(scale_ptr + at, mask=m, other=0.0).to(tl.float32), N, D // GROUP, GROUP // PER)
+            lo = _spread(tl.load(min_ptr + at, mask=m, other=0.0).to(tl.float32), N, D // GROUP, GROUP // PER)
+            x0 = (byte & LEVELS).to(tl.float32) * sc + lo
+            x1 = ((byte >> BITS) & LEVELS).to(tl.float32) * sc + lo
+            x2 = ((byte >> (2 * BITS)) & LEVELS).to(tl.float32) * sc + lo
+            x3 = ((byte >> (3 * BITS)) & LEVELS).to(tl.float32) * sc + lo
+        else:  # KIVI keys: per channel, shared by the TG slots of a token group
+            at = ((slot[:, None] // TG) * H + head) * D + PER * i[None, :]
+            x0 = _kivi_part(byte, scale_ptr, min_ptr, at, m, 0, BITS, PER)
+            x1 = _kivi_part(byte, scale_ptr, min_ptr, at, m, 1, BITS, PER)
+            x2 = _kivi_part(byte, scale_ptr, min_ptr, at, m, 2, BITS, PER)
+            x3 = _kivi_part(byte, scale_ptr, min_ptr, at, m, 3, BITS, PER)
+    return x0, x1, x2, x3
 
 
 @jit
@@ -249,30 +295,43 @@ def _as_model(x, OUT: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @jit
+def _query_part(q_ptr, qrow, gm, j: tl.constexpr, PER: tl.constexpr, D: tl.constexpr, OUT: tl.constexpr,
+                NATIVE: tl.constexpr):
+    """Channels ``PER * i + j`` of the group's queries ``[GP, D / PER]``, in the model dtype."""
+    i = tl.arange(0, D // PER)
+    x = tl.load(q_ptr + qrow[:, None] * D + PER * i[None, :] + j, mask=gm[:, None], other=0.0)
+    return _as_model(x.to(tl.float32), OUT, NATIVE)
+
+
+@jit
 def _paged_partial_kernel(
     q_ptr, out_ptr, lse_ptr, score_ptr, table_ptr, valid_ptr,
     kc_ptr, ks_ptr, km_ptr, khs_ptr, vc_ptr, vs_ptr, vm_ptr, vhs_ptr,
     W, tokens_per_split, split0, total_splits, col0, total_cols, qk_scale,
     KFMT: tl.constexpr, VFMT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    KGROUP: tl.constexpr, VGROUP: tl.constexpr, KTG: tl.constexpr,
-    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    KGROUP: tl.constexpr, VGROUP: tl.constexpr, KTG: tl.constexpr, KPER: tl.constexpr, VPER: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK: tl.constexpr, SCORES: tl.constexpr, PREC: tl.constexpr, OUT: tl.constexpr,
     NATIVE: tl.constexpr,
 ):
-    """Partial attention of one (row, KV head, split): output ``[G, D]`` and log2-sum-exp ``[G]``."""
+    """Partial attention of one (row, KV head, split): output ``[G, D]`` and log2-sum-exp ``[G]``.
+
+    Keys and values come in channel parts (see :func:`_decode_parts`); the score is the sum
+    of the parts' dots, and each value part accumulates its own output columns."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row = pid // H
     head = pid % H
     g = tl.arange(0, GP)
-    d = tl.arange(0, DP)
     gm = g < G
-    qh = head * G + g  # query heads of this KV head
-    q = _as_model(tl.load(q_ptr + (row * (H * G) + qh[:, None]) * D + d[None, :],
-                          mask=gm[:, None] & (d[None, :] < D), other=0.0).to(tl.float32), OUT, NATIVE)
+    qrow = row * (H * G) + head * G + g  # the query heads of this KV head
+    DV: tl.constexpr = D // VPER
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DP], tl.float32)
+    acc0 = tl.zeros([GP, DV], tl.float32)
+    acc1 = tl.zeros([GP, DV], tl.float32)
+    acc2 = tl.zeros([GP, DV], tl.float32)
+    acc3 = tl.zeros([GP, DV], tl.float32)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, W * BS)
     n = tl.arange(0, BLOCK)
@@ -283,25 +342,46 @@ def _paged_partial_kernel(
         slot = blk * BS + t % BS
         ok = inside & (blk >= 0)
         ok = ok & (tl.load(valid_ptr + slot, mask=ok, other=0) != 0)
-        k = _decode_tile(kc_ptr, ks_ptr, km_ptr, khs_ptr, slot, row, head, d, ok, KFMT, H, D, KBITS, KGROUP, KTG)
-        s = tl.dot(q, tl.trans(_as_model(k, OUT, NATIVE)), input_precision=PREC) * qk_scale  # [GP, BLOCK], log2 units
-        s = tl.where(ok[None, :], s, float("-inf"))
+        k0, k1, k2, k3 = _decode_parts(kc_ptr, ks_ptr, km_ptr, khs_ptr, slot, row, head, ok,
+                                       KFMT, H, D, KBITS, KGROUP, KTG, KPER, BLOCK, NATIVE)
+        s = tl.dot(_query_part(q_ptr, qrow, gm, 0, KPER, D, OUT, NATIVE), tl.trans(_as_model(k0, OUT, NATIVE)),
+                   input_precision=PREC)
+        if KPER > 1:
+            s += tl.dot(_query_part(q_ptr, qrow, gm, 1, KPER, D, OUT, NATIVE), tl.trans(_as_model(k1, OUT, NATIVE)),
+                        input_precision=PREC)
+        if KPER > 2:
+            s += tl.dot(_query_part(q_ptr, qrow, gm, 2, KPER, D, OUT, NATIVE), tl.trans(_as_model(k2, OUT, NATIVE)),
+                        input_precision=PREC)
+            s += tl.dot(_query_part(q_ptr, qrow, gm, 3, KPER, D, OUT, NATIVE), tl.trans(_as_model(k3, OUT, NATIVE)),
+                        input_precision=PREC)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # [GP, BLOCK], log2 units
         if SCORES:
-            tl.store(score_ptr + (row * (H * G) + qh[:, None]) * total_cols + col0 + t[None, :], s,
-                     mask=gm[:, None] & inside[None, :])
+            tl.store(score_ptr + qrow[:, None] * total_cols + col0 + t[None, :], s, mask=gm[:, None] & inside[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        v = _decode_tile(vc_ptr, vs_ptr, vm_ptr, vhs_ptr, slot, row, head, d, ok, VFMT, H, D, VBITS, VGROUP, 1)
-        acc = acc * alpha[:, None] + tl.dot(_as_model(p, OUT, NATIVE), _as_model(v, OUT, NATIVE), input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    at = (row * (H * G) + qh) * total_splits + split0 + split
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-    tl.store(lse_ptr + at, lse, mask=gm)
-    o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptr + at[:, None] * D + d[None, :], o, mask=gm[:, None] & (d[None, :] < D))
+        pm = _as_model(p, OUT, NATIVE)
+        v0, v1, v2, v3 = _decode_parts(vc_ptr, vs_ptr, vm_ptr, vhs_ptr, slot, row, head, ok,
+                                       VFMT, H, D, VBITS, VGROUP, 1, VPER, BLOCK, NATIVE)
+        acc0 = acc0 * alpha[:, None] + tl.dot(pm, _as_model(v0, OUT, NATIVE), input_precision=PREC)
+        if VPER > 1:
+            acc1 = acc1 * alpha[:, None] + tl.dot(pm, _as_model(v1, OUT, NATIVE), input_precision=PREC)
+        if VPER > 2:
+            acc2 = acc2 * alpha[:, None] + tl.dot(pm, _as_model(v2, OUT, NATIVE), input_precision=PREC)
+            acc3 = acc3 * alpha[:, None] + tl.dot(pm, _as_model(v3, OUT, NATIVE), input_precision=PREC)
+    at = qrow * total_splits + split0 + split
+    tl.store(lse_ptr + at, tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf")), mask=gm)
+    inv = 1.0 / tl.maximum(l_i, 1e-30)
+    o = out_ptr + at[:, None] * D + VPER * tl.arange(0, DV)[None, :]
+    tl.store(o, acc0 * inv[:, None], mask=gm[:, None])
+    if VPER > 1:
+        tl.store(o + 1, acc1 * inv[:, None], mask=gm[:, None])
+    if VPER > 2:
+        tl.store(o + 2, acc2 * inv[:, None], mask=gm[:, None])
+        tl.store(o + 3, acc3 * inv[:, None], mask=gm[:, None])
 
 
 @jit
@@ -393,28 +473,42 @@ def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scal
         raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (set before importing kvcompose)")
     # Auto picks the kernel on CUDA only: a model's every decode step through the CPU
     # interpreter would be too slow, so CPU runs the reference unless asked otherwise.
-    if backend == "torch" or (backend is None and not (HAS_TRITON and query.is_cuda)):
+    if backend == "torch" or (backend is None and not (HAS_TRITON and query.is_cuda and kernel_fits(query, sources))):
         return paged_decode_attention_torch(query, sources, scaling, return_probs=probs)
     return _paged_decode_triton(query, sources, scaling, probs)
 
 
+def kernel_fits(query: torch.Tensor, sources: list[PagedSource]) -> bool:
+    """Whether the compiled kernel takes this head dim: a power of two, at least 16 channels per
+    code position of a byte (the tensor-core dot needs K >= 16). Elsewhere the reference runs."""
+    D = query.shape[-1]
+    per = max([1] + [op.per_byte for s in sources for op in (s.key, s.value)])
+    return D == next_pow2(D) and D // per >= 16
+
+
 def _paged_decode_triton(query, sources, scaling, probs):
     B, Hq, _, D = query.shape
+    if not interpreted(_paged_partial_kernel) and not kernel_fits(query, sources):
+        raise ValueError(f"the paged attention kernel needs a power-of-two head dim with >= 16 channels per code "
+                         f"position of a packed byte; got head dim {D} (use backend='torch' or None)")
     q = query.contiguous()
     device = q.device
     sources = [s for s in sources if s.tokens > 0]
+    if not sources:  # nothing stored anywhere: every row attends to nothing
+        out = torch.zeros_like(query)
+        return (out, torch.zeros(B, Hq, 0, device=device)) if probs else out
     H = sources[0].key.codes.shape[1] if sources else Hq
     G = Hq // H
     splits = [plan_splits(B * H, s.tokens, device) for s in sources]
     total = max(1, sum(splits))
     part = torch.empty(B, Hq, total, D, dtype=torch.float32, device=device)
-    lse = torch.full((B, Hq, total), float("-inf"), dtype=torch.float32, device=device)
+    lse = torch.empty(B, Hq, total, dtype=torch.float32, device=device)  # every split writes its own
     cols = sum(s.tokens for s in sources)
-    logits = torch.full((B, Hq, cols), float("-inf"), device=device) if probs else torch.empty(1, device=device)
+    logits = torch.empty(B, Hq, cols if probs else 1, device=device)  # the splits cover every column
     split0 = col0 = 0
     for src, n in zip(sources, splits):
         per = cdiv(cdiv(src.tokens, n), BLOCK_N) * BLOCK_N
-        table = src.table.to(torch.int32).contiguous()
+        table = src.table.contiguous()
         kb, kg, ktg = _operand_constants(src.key, D)
         vb, vg, _ = _operand_constants(src.value, D)
         _paged_partial_kernel[(B * H, n)](
@@ -422,10 +516,9 @@ def _paged_decode_triton(query, sources, scaling, probs):
             *_operand_args(src.key, device), *_operand_args(src.value, device),
             table.shape[1], per, split0, total, col0, cols, scaling * LOG2E,
             KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
-            KTG=ktg, H=H, G=G, GP=max(16, next_pow2(G)), D=D, DP=max(16, next_pow2(D)), BS=src.block_size,
-            BLOCK=BLOCK_N, SCORES=probs, PREC="ieee" if q.dtype == torch.float32 else "tf32", OUT=OUT_KINDS[q.dtype],
-            NATIVE=not interpreted(_paged_partial_kernel),
-            num_warps=WARPS,
+            KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte, H=H, G=G, GP=max(16, next_pow2(G)), D=D,
+            BS=src.block_size, BLOCK=BLOCK_N, SCORES=probs, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            OUT=OUT_KINDS[q.dtype], NATIVE=not interpreted(_paged_partial_kernel), num_warps=WARPS,
         )
         split0 += n
         col0 += src.tokens
