@@ -224,3 +224,13 @@ def test_phase_timer_reports_the_cache_phases(llama):
     untimed = policy.make_cache(llama)
     greedy(llama, ids, mask, 4, cache=untimed)
     assert untimed.report().time_s is None
+
+
+def test_a_format_without_attention_support_is_named():
+    from kvcompose.paging.codec import SlotCodec
+    from kvcompose.quantizers.base import Quantizer
+
+    with pytest.raises(TypeError, match="Quantizer does not define attention_format"):
+        Quantizer().attention_format("key")
+    with pytest.raises(TypeError, match="SlotCodec .* does not define kv_operands"):
+        SlotCodec().kv_operands({}, {}, {})

@@ -145,7 +145,7 @@ class KVComposeLayer(CacheLayerMixin):
             return paged_decode_attention(query, sources, scaling, backend=backend)
         out, probs = paged_decode_attention(query, sources, scaling, probs=True, backend=backend)
         probs = probs[:, :, None, :] * (positions >= 0)[:, None, :, None]  # padding queries receive nothing
-        valid = torch.cat([(s.slots() >= 0) & s.valid[s.slots().clamp(min=0)] for s in sources], dim=1)
+        valid = torch.cat([s.valid[slots.clamp(min=0)] & (slots >= 0) for s in sources for slots in [s.slots()]], dim=1)
         for name, d in (evictor.observe(probs, valid) or {}).items():
             self.store.add_to_slots(name, d)
         return out

@@ -42,8 +42,10 @@ class SlotCodec:
         """Keys and values of a whole pool as the decode-attention op reads them in place.
 
         ``slots``/``groups``: the pool's flat per-slot and per-group tensors; ``row_scales``:
-        the store's per-sequence scales of this format (``{"k": [B, H], "v": [B, H]}``)."""
-        raise NotImplementedError  # pragma: no cover - interface
+        the store's per-sequence scales of this format (``{"k": [B, H], "v": [B, H]}``).
+        A third-party codec that does not say gets an error naming it (no silent dense fallback)."""
+        raise TypeError(f"storage format {type(self).__name__} ({self.name!r}) does not define kv_operands, so the "
+                        "fused decode attention cannot read it; implement it, or make caches with fused_attention=False")
 
     def check_errors(self) -> None:
         """Raise for bad input that earlier :meth:`encode` calls only recorded (formats that check

@@ -77,10 +77,11 @@ class Quantizer:
         """Nominal bits per value including block scales and zero points."""
         raise NotImplementedError
 
-    def attention_format(self, role: str) -> str:  # pragma: no cover - interface
+    def attention_format(self, role: str) -> str:
         """How the decode-attention op reads this format's ``role`` tensors in place
-        (a key of :data:`kvcompose.ops.paged_attention.FORMATS`)."""
-        raise NotImplementedError
+        (a key of :data:`kvcompose.ops.paged_attention.FORMATS`); every registered quantizer says."""
+        raise TypeError(f"quantizer {type(self).__name__} does not define attention_format, so the fused decode "
+                        "attention cannot read it; implement it, or make caches with fused_attention=False")
 
     def bits_per_value_for(self, head_dim: int) -> float:
         """Bits per value for a given head dim (differs from :attr:`bits_per_value` only for INT)."""
