@@ -31,7 +31,7 @@ def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores):
     sig.update({"W": "i32", "tokens_per_split": "i32", "split0": "i32", "total_splits": "i32", "col0": "i32",
                 "total_cols": "i32", "qk_scale": "fp32"})
     consts = dict(KFMT=pa.FORMATS[kfmt], VFMT=pa.FORMATS[vfmt], KBITS=bits, VBITS=bits, KGROUP=32, VGROUP=32,
-                  KTG=16, H=8 // group if group > 1 else 8, G=group, GP=16, D=head_dim, BS=16,
+                  KEX=kfmt in pa.EXACT_FORMATS, VEX=vfmt in pa.EXACT_FORMATS, KTG=16, H=8 // group if group > 1 else 8, G=group, GP=16, D=head_dim, BS=16,
                   BLOCK=pa.BLOCK_N, SCORES=scores, PREC="tf32", OUT=1, NATIVE=True)
     consts["KPER"] = 8 // bits if bits else {"nvfp4": 2, "ternary": 4}.get(kfmt, 1)
     consts["VPER"] = consts["KPER"]

@@ -6,11 +6,12 @@ block table, with a validity bit per slot (evicted, padding and empty slots are 
 plus the dense recent buffer as one more source. :func:`paged_decode_attention` runs:
 
 1. one launch per source of :func:`_paged_partial_kernel`: a program per (row, KV head,
-   split of the row's tokens) decodes a tile of keys and values where they lie (the same
-   arithmetic as the format's reference dequantize, rounded to the query dtype as the
-   dense view is), scores every query head of the KV head's group against it with one
-   ``tl.dot``, and keeps an online softmax; it writes a partial output and its
-   log-sum-exp. Split-KV keeps the GPU busy at batch 1 with long rows;
+   split of the row's tokens) decodes a tile of keys and values where they lie (the
+   values of the format's reference dequantize: exact in fp16 for ``EXACT_FORMATS``,
+   otherwise rounded to the query dtype as the dense view is), scores every query head
+   of the KV head's group against it with tensor-core dots, and keeps an online
+   softmax; it writes a partial output and its log-sum-exp. Split-KV keeps the GPU busy
+   at batch 1 with long rows;
 2. one launch of :func:`_merge_kernel`, which combines the partial results of all
    splits of all sources by their log-sum-exp.
 
@@ -57,11 +58,21 @@ from .quant_ternary import ternary_dequantize_torch
 #: Storage formats the op decodes, and their kernel codes (``FMT`` constexpr).
 FORMATS = {"dense": 0, "fp8": 1, "nvfp4": 2, "ternary": 3, "int": 4, "int_channel": 5}
 #: Codes per byte of the packed formats (``int`` and ``int_channel``: ``8 // bits``).
+#: Formats whose every stored value times its block scale is exact in fp16 (an E4M3 value,
+#: or an E2M1 or ternary level times an E4M3 block scale: at most 6 significant bits, and
+#: within fp16's normal range): with a bf16 or fp16 model the kernel feeds these tiles to
+#: the tensor cores in fp16, with the queries in fp16 after a power-of-two shift per
+#: program (exact for a bf16 query) and the probabilities in fp16, and applies the
+#: per-(row, head) scale to the dot products in fp32. The reference rounds each decoded
+#: value to the model dtype instead; the kernel's products are the exact ones.
+EXACT_FORMATS = ("fp8", "nvfp4", "ternary")
 _PER_BYTE = {"dense": 1, "fp8": 1, "nvfp4": 2, "ternary": 4}
 BLOCK_N = 64  # tokens per tile of the partial kernel
 TOKENS_PER_SPLIT_MIN = 256  # a split never holds fewer tokens than this (unless the row is shorter)
 PROGRAMS_PER_SM = 4  # split-KV aims at this many programs per SM
 WARPS = 2
+STAGES = 3  # software-pipelining depth of the partial kernel's loads (Triton's default)
+MAX_REGISTERS = None  # registers per thread of the partial kernel (None: the compiler's choice)
 LOG2E = 1.4426950408889634
 
 
@@ -205,6 +216,87 @@ def _ternary_level(c):
 
 
 @jit
+def _e4m3_values(code, NATIVE: tl.constexpr):
+    """fp32 values of E4M3 bytes: the hardware conversion when compiled (the same values for
+    every code the encoders write), :func:`e4m3_decode_tl` in the interpreter."""
+    if NATIVE:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return e4m3_decode_tl(code)
+
+
+# Compiled decode of the block-scaled formats, four packed bytes per call. Both build E4M3
+# bytes with 32-bit integer operations (four codes at once) and let the hardware convert
+# them to fp16 pairs; an E4M3 byte holds each code's value exactly: NVFP4's sign,
+# exponent and mantissa bits move into an E4M3 byte whose value is the E2M1 value times
+# 2^-6 (the caller folds 2^6 into the block scale), a ternary code becomes E4M3 +1, -1 or 0.
+# The block scale multiply is an fp16 multiply whose product is exact (see _EXACT_NOTE).
+_FP4_ASM_TEXT = """{
+.reg .b32 lo, hi, t, u;
+.reg .b16 l0, l1, h0, h1;
+shl.b32 t, $4, 2;
+and.b32 t, t, 0x1C1C1C1C;
+shl.b32 u, $4, 4;
+and.b32 u, u, 0x80808080;
+or.b32 lo, t, u;
+shr.b32 t, $4, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 u, $4, 0x80808080;
+or.b32 hi, t, u;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, l1;
+cvt.rn.f16x2.e4m3x2 $2, h0;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+mul.rn.f16x2 $0, $0, $5;
+mul.rn.f16x2 $1, $1, $6;
+mul.rn.f16x2 $2, $2, $5;
+mul.rn.f16x2 $3, $3, $6;
+}"""
+
+
+def _ternary_part_asm(j: int) -> str:
+    # code c (2 bits) -> nonzero = c ^ (c >> 1) (codes 1, 2), E4M3 1.0 is 0x38, sign = code 2
+    return f"""shr.b32 x, $8, {2 * j};
+and.b32 x, x, 0x03030303;
+shr.b32 t, x, 1;
+xor.b32 t, t, x;
+and.b32 t, t, 0x01010101;
+shl.b32 s, t, 7;
+shl.b32 u, x, 6;
+and.b32 s, s, u;
+mul.lo.u32 t, t, 0x38;
+or.b32 t, t, s;
+mov.b32 {{e0, e1}}, t;
+cvt.rn.f16x2.e4m3x2 ${2 * j}, e0;
+cvt.rn.f16x2.e4m3x2 ${2 * j + 1}, e1;
+mul.rn.f16x2 ${2 * j}, ${2 * j}, $9;
+mul.rn.f16x2 ${2 * j + 1}, ${2 * j + 1}, $10;
+"""
+
+
+_TERNARY_ASM_TEXT = "{\n.reg .b32 x, t, s, u;\n.reg .b16 e0, e1;\n" + "".join(map(_ternary_part_asm, range(4))) + "}"
+# jit functions read module globals only as constexprs
+_FP4_ASM = tl.constexpr(_FP4_ASM_TEXT) if HAS_TRITON else None
+_TERNARY_ASM = tl.constexpr(_TERNARY_ASM_TEXT) if HAS_TRITON else None
+
+
+@jit
+def _nvfp4_exact_tiles(byte, scale):
+    """fp16 ``(low-nibble, high-nibble)`` values of NVFP4 bytes times their block scale
+    (``scale``: fp16 block scale times 2^6, one per byte)."""
+    return tl.inline_asm_elementwise(_FP4_ASM, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@jit
+def _ternary_exact_tiles(byte, scale):
+    """fp16 values of the four ternary codes of each byte times its block scale."""
+    return tl.inline_asm_elementwise(_TERNARY_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [byte, scale],
+                                     dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@jit
 def _kivi_part(byte, scale_ptr, min_ptr, at, m, j: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
     """Channels ``PER * i + j`` of channel-grouped INT codes: ``q * scale + minimum`` of each channel."""
     ok = m & (j < PER)
@@ -214,47 +306,70 @@ def _kivi_part(byte, scale_ptr, min_ptr, at, m, j: tl.constexpr, BITS: tl.conste
 
 
 @jit
-def _decode_parts(codes_ptr, scale_ptr, min_ptr, hs_ptr, slot, row, head, ok,
+def _head_scale(hs_ptr, row, head, FMT: tl.constexpr, H: tl.constexpr):
+    """The second-level scale of one (row, KV head) for the formats that have one, else 1.
+    Constant over the program: it multiplies the dot products (keys) or the finished output
+    (values) instead of every decoded element."""
+    if FMT == 1 or FMT == 2 or FMT == 3:
+        return tl.load(hs_ptr + row * H + head)
+    return 1.0
+
+
+@jit
+def _decode_parts(codes_ptr, scale_ptr, min_ptr, slot, head, ok,
                   FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                  TG: tl.constexpr, PER: tl.constexpr, N: tl.constexpr, NATIVE: tl.constexpr):
-    """fp32 values of ``N`` slots of one head, split by channel residue: part ``j`` ``[N, D / PER]``
-    holds channels ``PER * i + j``, the ``j``-th code of every packed byte (parts ``>= PER`` repeat
-    part 0 and are unused). Each byte, block scale and group scale is loaded once; the arithmetic
-    is the formats' reference dequantize, in its order."""
+                  TG: tl.constexpr, PER: tl.constexpr, N: tl.constexpr, EXACT: tl.constexpr, NATIVE: tl.constexpr):
+    """Values of ``N`` slots of one head before the head scale (:func:`_head_scale`), split by
+    channel residue: part ``j`` ``[N, D / PER]`` holds channels ``PER * i + j``, the ``j``-th
+    code of every packed byte (parts ``>= PER`` repeat part 0 and are unused). Each byte,
+    block scale and group scale is loaded once. Compiled, dense values stay in their dtype
+    and ``EXACT`` formats come out in fp16 (exact); the rest, and everything in the
+    interpreter, is fp32 from the formats' reference dequantize arithmetic."""
     DQ: tl.constexpr = D // PER
+    FAST: tl.constexpr = EXACT and NATIVE
     i = tl.arange(0, DQ)
     m = ok[:, None]
     base = slot[:, None] * H + head  # [N, 1] int64 (token, head) row of the pool
-    if FMT == 0:
-        x0 = tl.load(codes_ptr + base * D + i[None, :], mask=m, other=0.0).to(tl.float32)
+    if FMT == 0:  # already in the model dtype (checked): compiled, it goes to the dot as loaded
+        x0 = tl.load(codes_ptr + base * D + i[None, :], mask=m, other=0.0)
+        if not NATIVE:
+            x0 = x0.to(tl.float32)
         x1 = x0
         x2 = x0
         x3 = x0
     elif FMT == 1:
         c = tl.load(codes_ptr + base * D + i[None, :], mask=m, other=0)
-        if NATIVE:  # the hardware conversion: the same values for every code the encoder writes
-            f = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if FAST:
+            x0 = c.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         else:
-            f = e4m3_decode_tl(c)
-        x0 = f * tl.load(hs_ptr + row * H + head)
+            x0 = _e4m3_values(c, NATIVE)
         x1 = x0
         x2 = x0
         x3 = x0
     elif FMT == 2 or FMT == 3:
-        byte = tl.load(codes_ptr + base * DQ + i[None, :], mask=m, other=0).to(tl.int32)
+        byte = tl.load(codes_ptr + base * DQ + i[None, :], mask=m, other=0)
         b = tl.arange(0, D // 16)
-        bs = tl.load(scale_ptr + base * (D // 16) + b[None, :], mask=m, other=0)
-        scale = _spread(e4m3_decode_tl(bs) * tl.load(hs_ptr + row * H + head), N, D // 16, 16 // PER)
-        if FMT == 2:
-            x0 = e2m1_decode_tl(byte & 15) * scale
-            x1 = e2m1_decode_tl(byte >> 4) * scale
-            x2 = x0
-            x3 = x0
+        bs = _e4m3_values(tl.load(scale_ptr + base * (D // 16) + b[None, :], mask=m, other=0), NATIVE)
+        if FAST:
+            if FMT == 2:
+                x0, x1 = _nvfp4_exact_tiles(byte, _spread((bs * 64.0).to(tl.float16), N, D // 16, 16 // PER))
+                x2 = x0
+                x3 = x0
+            else:
+                x0, x1, x2, x3 = _ternary_exact_tiles(byte, _spread(bs.to(tl.float16), N, D // 16, 16 // PER))
         else:
-            x0 = _ternary_level(byte) * scale
-            x1 = _ternary_level(byte >> 2) * scale
-            x2 = _ternary_level(byte >> 4) * scale
-            x3 = _ternary_level(byte >> 6) * scale
+            byte = byte.to(tl.int32)
+            scale = _spread(bs, N, D // 16, 16 // PER)
+            if FMT == 2:
+                x0 = e2m1_decode_tl(byte & 15) * scale
+                x1 = e2m1_decode_tl(byte >> 4) * scale
+                x2 = x0
+                x3 = x0
+            else:
+                x0 = _ternary_level(byte) * scale
+                x1 = _ternary_level(byte >> 2) * scale
+                x2 = _ternary_level(byte >> 4) * scale
+                x3 = _ternary_level(byte >> 6) * scale
     else:
         byte = tl.load(codes_ptr + base * DQ + i[None, :], mask=m, other=0).to(tl.int32)
         LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -277,30 +392,57 @@ def _decode_parts(codes_ptr, scale_ptr, min_ptr, hs_ptr, slot, row, head, ok,
 
 
 @jit
-def _as_model(x, OUT: tl.constexpr, NATIVE: tl.constexpr):
-    """fp32 ``x`` rounded to the model dtype as the dense view is (``OUT`` of :func:`store_out_tl`):
-    in that dtype when compiled (``NATIVE``); the interpreter keeps the rounded values in fp32
-    (its bf16 arithmetic is not reliable, and a dot of the rounded values is the same)."""
+def _operand(x, EXACT: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr):
+    """A tile as the dot takes it: ``EXACT`` tiles are fp16 already (compiled) or exact fp32
+    (interpreter) and pass unchanged; the rest is rounded to the model dtype as the dense
+    view is (in that dtype when compiled; the interpreter keeps the rounded values in fp32,
+    its bf16 arithmetic is not reliable and a dot of the rounded values is the same)."""
     r = x
-    if OUT == 1:
+    if EXACT:
+        r = x
+    elif NATIVE:  # the hardware conversion rounds to nearest even, as torch's does
+        if OUT == 1:
+            r = x.to(tl.bfloat16)
+        elif OUT == 2:
+            r = x.to(tl.float16)
+    elif OUT == 1:
         bits = x.to(tl.int32, bitcast=True)
         r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        if NATIVE:
-            r = r.to(tl.bfloat16)
     elif OUT == 2:
-        r = x.to(tl.float16)
-        if not NATIVE:
-            r = r.to(tl.float32)
+        r = x.to(tl.float16).to(tl.float32)
     return r
 
 
 @jit
-def _query_part(q_ptr, qrow, gm, j: tl.constexpr, PER: tl.constexpr, D: tl.constexpr, OUT: tl.constexpr,
-                NATIVE: tl.constexpr):
-    """Channels ``PER * i + j`` of the group's queries ``[GP, D / PER]``, in the model dtype."""
+def _fp16(x, NATIVE: tl.constexpr):
+    """``x`` rounded to fp16 (kept in fp32 by the interpreter)."""
+    r = x.to(tl.float16)
+    if not NATIVE:
+        r = r.to(tl.float32)
+    return r
+
+
+@jit
+def _query_part(q_ptr, qrow, gm, j: tl.constexpr, PER: tl.constexpr, D: tl.constexpr):
+    """Channels ``PER * i + j`` of the group's queries ``[GP, D / PER]``, fp32."""
     i = tl.arange(0, D // PER)
-    x = tl.load(q_ptr + qrow[:, None] * D + PER * i[None, :] + j, mask=gm[:, None], other=0.0)
-    return _as_model(x.to(tl.float32), OUT, NATIVE)
+    return tl.load(q_ptr + qrow[:, None] * D + PER * i[None, :] + j, mask=gm[:, None], other=0.0).to(tl.float32)
+
+
+@jit
+def _query_shift(amax):
+    """The power of two that brings ``amax`` (the largest query magnitude of the program)
+    into [2^14, 2^15): multiplied by it, a bf16 query is exact in fp16 (fp16 has the wider
+    mantissa) down to elements 2^-28 of the largest. 1 for a non-finite ``amax``."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent
+    shift = (tl.minimum(268 - e, 254) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
+    return tl.where(e < 255, shift, 1.0)
+
+
+@jit
+def _max_abs(x0, x1, x2, x3):
+    return tl.maximum(tl.maximum(tl.max(tl.abs(x0)), tl.max(tl.abs(x1))),
+                      tl.maximum(tl.max(tl.abs(x2)), tl.max(tl.abs(x3))))
 
 
 @jit
@@ -310,6 +452,7 @@ def _paged_partial_kernel(
     W, tokens_per_split, split0, total_splits, col0, total_cols, qk_scale,
     KFMT: tl.constexpr, VFMT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KGROUP: tl.constexpr, VGROUP: tl.constexpr, KTG: tl.constexpr, KPER: tl.constexpr, VPER: tl.constexpr,
+    KEX: tl.constexpr, VEX: tl.constexpr,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK: tl.constexpr, SCORES: tl.constexpr, PREC: tl.constexpr, OUT: tl.constexpr,
     NATIVE: tl.constexpr,
@@ -317,7 +460,9 @@ def _paged_partial_kernel(
     """Partial attention of one (row, KV head, split): output ``[G, D]`` and log2-sum-exp ``[G]``.
 
     Keys and values come in channel parts (see :func:`_decode_parts`); the score is the sum
-    of the parts' dots, and each value part accumulates its own output columns."""
+    of the parts' dots, and each value part accumulates its own output columns. ``KEX`` /
+    ``VEX``: the keys / values are an exact format (see the module notes) and go to the
+    tensor cores in fp16."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row = pid // H
@@ -326,6 +471,28 @@ def _paged_partial_kernel(
     gm = g < G
     qrow = row * (H * G) + head * G + g  # the query heads of this KV head
     DV: tl.constexpr = D // VPER
+    key_scale = qk_scale * _head_scale(khs_ptr, row, head, KFMT, H)
+    q0 = _query_part(q_ptr, qrow, gm, 0, KPER, D)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if KPER > 1:
+        q1 = _query_part(q_ptr, qrow, gm, 1, KPER, D)
+    if KPER > 2:
+        q2 = _query_part(q_ptr, qrow, gm, 2, KPER, D)
+        q3 = _query_part(q_ptr, qrow, gm, 3, KPER, D)
+    if KEX:  # fp16 queries for fp16 key tiles, shifted by a power of two to fit fp16
+        shift = _query_shift(_max_abs(q0, q1, q2, q3))
+        key_scale = key_scale / shift
+        q0 = _fp16(q0 * shift, NATIVE)
+        q1 = _fp16(q1 * shift, NATIVE)
+        q2 = _fp16(q2 * shift, NATIVE)
+        q3 = _fp16(q3 * shift, NATIVE)
+    else:
+        q0 = _operand(q0, False, OUT, NATIVE)
+        q1 = _operand(q1, False, OUT, NATIVE)
+        q2 = _operand(q2, False, OUT, NATIVE)
+        q3 = _operand(q3, False, OUT, NATIVE)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc0 = tl.zeros([GP, DV], tl.float32)
@@ -342,19 +509,15 @@ def _paged_partial_kernel(
         slot = blk * BS + t % BS
         ok = inside & (blk >= 0)
         ok = ok & (tl.load(valid_ptr + slot, mask=ok, other=0) != 0)
-        k0, k1, k2, k3 = _decode_parts(kc_ptr, ks_ptr, km_ptr, khs_ptr, slot, row, head, ok,
-                                       KFMT, H, D, KBITS, KGROUP, KTG, KPER, BLOCK, NATIVE)
-        s = tl.dot(_query_part(q_ptr, qrow, gm, 0, KPER, D, OUT, NATIVE), tl.trans(_as_model(k0, OUT, NATIVE)),
-                   input_precision=PREC)
+        k0, k1, k2, k3 = _decode_parts(kc_ptr, ks_ptr, km_ptr, slot, head, ok,
+                                       KFMT, H, D, KBITS, KGROUP, KTG, KPER, BLOCK, KEX, NATIVE)
+        s = tl.dot(q0, tl.trans(_operand(k0, KEX, OUT, NATIVE)), input_precision=PREC)
         if KPER > 1:
-            s += tl.dot(_query_part(q_ptr, qrow, gm, 1, KPER, D, OUT, NATIVE), tl.trans(_as_model(k1, OUT, NATIVE)),
-                        input_precision=PREC)
+            s += tl.dot(q1, tl.trans(_operand(k1, KEX, OUT, NATIVE)), input_precision=PREC)
         if KPER > 2:
-            s += tl.dot(_query_part(q_ptr, qrow, gm, 2, KPER, D, OUT, NATIVE), tl.trans(_as_model(k2, OUT, NATIVE)),
-                        input_precision=PREC)
-            s += tl.dot(_query_part(q_ptr, qrow, gm, 3, KPER, D, OUT, NATIVE), tl.trans(_as_model(k3, OUT, NATIVE)),
-                        input_precision=PREC)
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # [GP, BLOCK], log2 units
+            s += tl.dot(q2, tl.trans(_operand(k2, KEX, OUT, NATIVE)), input_precision=PREC)
+            s += tl.dot(q3, tl.trans(_operand(k3, KEX, OUT, NATIVE)), input_precision=PREC)
+        s = tl.where(ok[None, :], s * key_scale, float("-inf"))  # [GP, BLOCK], log2 units
         if SCORES:
             tl.store(score_ptr + qrow[:, None] * total_cols + col0 + t[None, :], s, mask=gm[:, None] & inside[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -363,18 +526,21 @@ def _paged_partial_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        pm = _as_model(p, OUT, NATIVE)
-        v0, v1, v2, v3 = _decode_parts(vc_ptr, vs_ptr, vm_ptr, vhs_ptr, slot, row, head, ok,
-                                       VFMT, H, D, VBITS, VGROUP, 1, VPER, BLOCK, NATIVE)
-        acc0 = acc0 * alpha[:, None] + tl.dot(pm, _as_model(v0, OUT, NATIVE), input_precision=PREC)
+        if VEX:
+            pm = _fp16(p, NATIVE)
+        else:
+            pm = _operand(p, False, OUT, NATIVE)
+        v0, v1, v2, v3 = _decode_parts(vc_ptr, vs_ptr, vm_ptr, slot, head, ok,
+                                       VFMT, H, D, VBITS, VGROUP, 1, VPER, BLOCK, VEX, NATIVE)
+        acc0 = acc0 * alpha[:, None] + tl.dot(pm, _operand(v0, VEX, OUT, NATIVE), input_precision=PREC)
         if VPER > 1:
-            acc1 = acc1 * alpha[:, None] + tl.dot(pm, _as_model(v1, OUT, NATIVE), input_precision=PREC)
+            acc1 = acc1 * alpha[:, None] + tl.dot(pm, _operand(v1, VEX, OUT, NATIVE), input_precision=PREC)
         if VPER > 2:
-            acc2 = acc2 * alpha[:, None] + tl.dot(pm, _as_model(v2, OUT, NATIVE), input_precision=PREC)
-            acc3 = acc3 * alpha[:, None] + tl.dot(pm, _as_model(v3, OUT, NATIVE), input_precision=PREC)
+            acc2 = acc2 * alpha[:, None] + tl.dot(pm, _operand(v2, VEX, OUT, NATIVE), input_precision=PREC)
+            acc3 = acc3 * alpha[:, None] + tl.dot(pm, _operand(v3, VEX, OUT, NATIVE), input_precision=PREC)
     at = qrow * total_splits + split0 + split
     tl.store(lse_ptr + at, tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf")), mask=gm)
-    inv = 1.0 / tl.maximum(l_i, 1e-30)
+    inv = _head_scale(vhs_ptr, row, head, VFMT, H) / tl.maximum(l_i, 1e-30)
     o = out_ptr + at[:, None] * D + VPER * tl.arange(0, DV)[None, :]
     tl.store(o, acc0 * inv[:, None], mask=gm[:, None])
     if VPER > 1:
@@ -516,9 +682,11 @@ def _paged_decode_triton(query, sources, scaling, probs):
             *_operand_args(src.key, device), *_operand_args(src.value, device),
             table.shape[1], per, split0, total, col0, cols, scaling * LOG2E,
             KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
-            KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte, H=H, G=G, GP=max(16, next_pow2(G)), D=D,
+            KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte,
+            KEX=_exact(src.key, q.dtype), VEX=_exact(src.value, q.dtype), H=H, G=G, GP=max(16, next_pow2(G)), D=D,
             BS=src.block_size, BLOCK=BLOCK_N, SCORES=probs, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            OUT=OUT_KINDS[q.dtype], NATIVE=not interpreted(_paged_partial_kernel), num_warps=WARPS,
+            OUT=OUT_KINDS[q.dtype], NATIVE=not interpreted(_paged_partial_kernel), num_warps=WARPS, num_stages=STAGES,
+            **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
         )
         split0 += n
         col0 += src.tokens
@@ -529,6 +697,11 @@ def _paged_decode_triton(query, sources, scaling, probs):
     if not probs:
         return out
     return out, torch.exp2(logits - final[..., None]).nan_to_num(0.0)  # -inf - -inf (empty row) -> 0
+
+
+def _exact(op: KVOperand, dtype: torch.dtype) -> bool:
+    """Whether the operand's values go to the tensor cores in fp16 (see ``EXACT_FORMATS``)."""
+    return op.fmt in EXACT_FORMATS and dtype != torch.float32
 
 
 def bytes_read(sources: list[PagedSource], query: torch.Tensor) -> int:
@@ -544,6 +717,6 @@ def bytes_read(sources: list[PagedSource], query: torch.Tensor) -> int:
 
 
 __all__ = [
-    "FORMATS", "KVOperand", "PagedSource", "bytes_read", "decode_operand_torch", "dense_source_view",
+    "EXACT_FORMATS", "FORMATS", "KVOperand", "PagedSource", "bytes_read", "decode_operand_torch", "dense_source_view",
     "paged_decode_attention", "paged_decode_attention_torch", "plan_splits",
 ]
