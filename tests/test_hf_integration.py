@@ -5,7 +5,7 @@ import torch
 
 from conftest import greedy, left_padded, tiny_model
 from kvcompose import Policy
-from kvcompose.hf import UnsupportedModelError
+from kvcompose.hf import CacheReuseError, UnsupportedModelError
 
 ARCHS = [("llama", 2), ("llama", 4), ("qwen2", 2)]  # GQA and MHA, two architectures
 
@@ -84,6 +84,7 @@ def test_freed_blocks_are_reused(llama):
     policy = Policy.from_preset("streamingllm", budget=24)
     _, ids, mask = left_padded([30, 12])
     cache, _ = _step_by_step(llama, policy, ids, mask, steps=5)
+    mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], dim=1)  # the columns the cache has seen
     capacity = [layer.store.regions[0].pool.capacity for layer in cache.layers]
     evictions = sum(layer.store.evictions for layer in cache.layers)
     with torch.no_grad():
@@ -184,3 +185,40 @@ def _char_tokenizer():
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("preset", ["fullkv", "snapkv", "thinkv"])
+def test_a_cache_serves_one_generation(llama, preset):
+    """A second generate on a used cache raises (it used to continue the first run's
+    sequence silently); after reset() the cache gives a fresh cache's tokens."""
+    policy = Policy.from_preset(preset, budget=32)
+    _, ids, mask = left_padded([20, 9])
+    cache = policy.make_cache(llama)
+    first = greedy(llama, ids, mask, 12, cache=cache)
+    with pytest.raises(CacheReuseError, match=r"holds 31 columns, but the attention mask covers 20 .*make a new one with policy.make_cache"):
+        greedy(llama, ids, mask, 12, cache=cache)
+    cache.reset()
+    assert cache.report().kv_bytes == 0 and cache.report().steps == 0 and cache.peak_kv_bytes == 0
+    assert torch.equal(greedy(llama, ids, mask, 12, cache=cache), first)
+
+
+def test_a_forward_that_skips_columns_is_refused(llama):
+    cache = Policy.from_preset("fullkv").make_cache(llama)
+    ids = torch.randint(1, 96, (1, 6))
+    llama(input_ids=ids, attention_mask=torch.ones(1, 6, dtype=torch.long), past_key_values=cache)
+    with pytest.raises(CacheReuseError, match="covers 9 columns for 1 new ones \\(expected 7\\)"):
+        llama(input_ids=ids[:, :1], attention_mask=torch.ones(1, 9, dtype=torch.long), past_key_values=cache)
+
+
+@pytest.mark.parametrize("preset", ["fullkv", "streamingllm", "snapkv", "h2o", "fp8", "nvfp4", "kivi2", "thinkv"])
+def test_non_finite_keys_raise_the_same_error_for_every_preset(preset):
+    """NaN keys used to pass silently under the full-precision presets (the output was token
+    0 repeated); every preset now raises once, naming the layer."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, :] = float("nan")
+    _, ids, mask = left_padded([12, 7])
+    cache = Policy.from_preset(preset, budget=32).make_cache(model)
+    with pytest.raises(ValueError, match="^layer 1: the model produced NaN/inf keys or values"):
+        greedy(model, ids, mask, 3, cache=cache)
+    cache.check_errors()  # raised once: nothing left pending

@@ -1,10 +1,10 @@
 """transformers integration: the cache, the registered attention function, generate."""
 
-from .attention import ATTENTION_NAME, UnsupportedModelError, register_with_transformers
+from .attention import ATTENTION_NAME, CacheReuseError, UnsupportedModelError, register_with_transformers
 from .cache import KVComposeCache, KVComposeLayer
 from .generate import GenerationOutput, encode_prompts, generate
 
 __all__ = [
-    "ATTENTION_NAME", "GenerationOutput", "KVComposeCache", "KVComposeLayer", "UnsupportedModelError",
+    "ATTENTION_NAME", "CacheReuseError", "GenerationOutput", "KVComposeCache", "KVComposeLayer", "UnsupportedModelError",
     "encode_prompts", "generate", "register_with_transformers",
 ]

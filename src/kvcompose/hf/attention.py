@@ -21,6 +21,10 @@ class UnsupportedModelError(ValueError):
     """The model's attention layout cannot run on a kvcompose cache."""
 
 
+class CacheReuseError(ValueError):
+    """A forward pass that does not continue the cache's sequence (a cache serves one generation)."""
+
+
 def kvcompose_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over the kvcompose store; signature of transformers' attention interface."""
     layer = getattr(key, LAYER_ATTR, None)
@@ -35,7 +39,7 @@ def kvcompose_attention(module, query, key, value, attention_mask, scaling=None,
         raise ValueError(f"kvcompose attention is for inference; got dropout={dropout} (module in training mode?)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    real = None
+    real = columns = None
     if isinstance(attention_mask, torch.Tensor):
         if attention_mask.ndim != 2:
             raise ValueError(
@@ -43,7 +47,8 @@ def kvcompose_attention(module, query, key, value, attention_mask, scaling=None,
                 f"{tuple(attention_mask.shape)}; custom 4D masks are not supported"
             )
         real = attention_mask[:, -query.shape[-2] :].to(torch.bool)
-    return layer.attend(query, key, value, real, scaling), None
+        columns = attention_mask.shape[-1]
+    return layer.attend(query, key, value, real, scaling, columns), None
 
 
 def kvcompose_mask(*args, attention_mask=None, **kwargs):

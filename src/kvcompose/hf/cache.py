@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..ops.paged_attention import paged_decode_attention
 from ..paging import LayerStore, StoreView
-from .attention import ATTENTION_NAME, LAYER_ATTR, UnsupportedModelError
+from .attention import ATTENTION_NAME, LAYER_ATTR, CacheReuseError, UnsupportedModelError
 from .thoughts import ThoughtTracker
 
 if TYPE_CHECKING:
@@ -99,14 +99,16 @@ class KVComposeLayer(CacheLayerMixin):
             raise ValueError("kvcompose caches cannot drop rows after prefill")
 
     # ---------------------------------------------------------- the real work
-    def attend(self, query, key, value, real, scaling: float) -> torch.Tensor:
+    def attend(self, query, key, value, real, scaling: float, columns: int | None = None) -> torch.Tensor:
         """Store the new tokens, attend over the kept ones, then let the policy compress.
 
         Decode steps (one query per row) read the store in place through the fused paged
         attention; the dense view is built only for prefill, for evictions, for classifier
-        refreshes and for observers (the fidelity harness).
+        refreshes and for observers (the fidelity harness). ``columns``: the width of the
+        caller's 2D attention mask, which must be the columns seen so far plus the new ones.
         """
         self._pending = False
+        self._check_continues(columns, key.shape[2])
         self.scaling = scaling
         policy = self.cache.policy
         store = self.store
@@ -135,6 +137,15 @@ class KVComposeLayer(CacheLayerMixin):
             thoughts.note_eviction()
             self.cache._note_memory(self.layer_idx)
         return out.transpose(1, 2).contiguous()
+
+    def _check_continues(self, columns: int | None, new: int) -> None:
+        seen = self.store.columns_seen
+        if columns is not None and columns != seen + new:
+            raise CacheReuseError(
+                f"layer {self.layer_idx}: the cache already holds {seen} columns, but the attention mask covers "
+                f"{columns} columns for {new} new ones (expected {seen + new}). A kvcompose cache serves one "
+                "generation: make a new one with policy.make_cache(model), or call cache.reset() first"
+            )
 
     def _paged_attention(self, query, positions, scaling):
         """The fused decode attention over the store's blocks and buffer (no dense view)."""
@@ -214,6 +225,13 @@ class KVComposeCache(Cache):
         self.peak_kv_bytes = 0
         super().__init__(layers=[KVComposeLayer(self, i) for i in range(num_layers)])
 
+    def reset(self) -> None:
+        """Empty every layer and the per-sequence state, ready for a new generation."""
+        super().reset()
+        self.thoughts = ThoughtTracker(self.policy, len(self.layers))
+        self._in_use = [0] * len(self.layers)
+        self.peak_kv_bytes = 0
+
     def _note_memory(self, layer_idx: int) -> None:
         self._in_use[layer_idx] = self.layers[layer_idx].store.memory()["in_use"]
         self.peak_kv_bytes = max(self.peak_kv_bytes, sum(self._in_use))
@@ -223,17 +241,18 @@ class KVComposeCache(Cache):
         return [layer.store.view() for layer in self.layers if layer.store is not None]
 
     def check_errors(self) -> None:
-        """Raise for NaN/inf keys or values that quantized encoding recorded on the GPU.
+        """Raise for NaN/inf keys or values, or bad input that quantized encoding recorded.
 
-        Encoding does not wait for the GPU to say whether its input was finite; the cache
-        asks once per forward pass (and :func:`~kvcompose.hf.generate.generate` at the end),
-        reading every layer's flags with one host synchronization.
+        Appending and encoding do not wait for the GPU to say whether their input was
+        finite; the cache asks once per forward pass (and :func:`~kvcompose.hf.generate.generate`
+        at the end), reading every layer's flags with one host synchronization, and the
+        error names the first layer that has one.
         """
-        stores = [layer.store for layer in self.layers if layer.store is not None]
-        flags = [f for store in stores for f in store.error_flags()]
+        layers = [layer for layer in self.layers if layer.store is not None]
+        flags = [f for layer in layers for f in layer.store.error_flags()]
         if flags and int(torch.stack([f.reshape(()) for f in flags]).amax()):
-            for store in stores:
-                store.check_errors()
+            for layer in layers:
+                layer.store.check_errors(f"layer {layer.layer_idx}")
 
     def time_phases(self, enabled: bool = True) -> None:
         """Measure wall time of attention, eviction and classifier refresh (synchronizes CUDA; slows decoding)."""

@@ -106,6 +106,8 @@ class LayerStore:
         self.tokens_seen = torch.zeros(B, dtype=torch.long, device=device)
         self.prompt_tokens = torch.zeros(B, dtype=torch.long, device=device)
         self.evictions = 0
+        # Non-zero once a real token's key or value was NaN/inf; read by check_errors (no sync here).
+        self.nonfinite = torch.zeros(1, dtype=torch.int32, device=device)
 
     # ----------------------------------------------------------------- append
     def append(
@@ -136,6 +138,8 @@ class LayerStore:
             cls = torch.zeros(B, T, dtype=torch.long, device=self.device)
         elif bool(((cls < 0) | (cls >= len(self.regions))).any()):
             raise ValueError(f"token classes must lie in [0, {len(self.regions)}) for classes {self.class_names}")
+        finite = torch.isfinite(keys).all(-1).all(1) & torch.isfinite(values).all(-1).all(1)  # [B, T]
+        self.nonfinite |= (real & ~finite).any().to(torch.int32)
         positions = self.columns_seen + torch.arange(T, device=self.device).expand(B, T)
         if self.prompt_columns is None:
             self.prompt_columns = T
@@ -306,14 +310,25 @@ class LayerStore:
         """Live tokens per row (``[B]``)."""
         return sum(r.live_tokens() for r in self.regions) + self.buf_len
 
-    def check_errors(self) -> None:
-        """Raise for bad keys/values that encoding recorded on the device (see :meth:`SlotCodec.check_errors`)."""
+    def check_errors(self, where: str = "kvcompose store") -> None:
+        """Raise for bad keys/values recorded on the device since the last check: NaN/inf in a
+        real token (every format, the same message, naming ``where``), then what encoding
+        recorded (see :meth:`SlotCodec.check_errors`). Each error is raised once."""
+        if int(self.nonfinite.item()):
+            for flag in self.error_flags():  # the codecs saw the same bad values
+                flag.zero_()
+            raise ValueError(
+                f"{where}: the model produced NaN/inf keys or values; the cache does not store them. Typical causes: "
+                "fp16 overflow (run the model in bf16 or fp32), or NaN/inf already in the inputs or weights"
+            )
         for pool in self.pools.values():
             pool.codec.check_errors()
 
     def error_flags(self) -> list[torch.Tensor]:
-        """The device error flags of this layer's codecs (see :meth:`SlotCodec.error_flags`)."""
-        return [f for f in (pool.codec.error_flags() for pool in self.pools.values()) if f is not None]
+        """The device error flags of this layer (non-finite input, then its codecs'; see
+        :meth:`SlotCodec.error_flags`), so a caller can test many with one synchronization."""
+        return [self.nonfinite] + [f for f in (pool.codec.error_flags() for pool in self.pools.values())
+                                   if f is not None]
 
     def memory(self) -> dict[str, int]:
         """Bytes this layer holds, split by what they are for."""
