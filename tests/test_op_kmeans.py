@@ -1,9 +1,5 @@
 """Batched K-means selection op: Triton kernel vs torch reference, cluster coverage, counts, checks."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU
-
 import pytest
 import torch
 

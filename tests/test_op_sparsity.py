@@ -1,9 +1,5 @@
 """Attention-sparsity op: Triton kernel vs torch reference, GQA semantics, masks, checks."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU
-
 import math
 
 import pytest

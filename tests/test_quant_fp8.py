@@ -1,15 +1,11 @@
 """FP8 E4M3 ops: kernel == reference bit for bit, round-trip error, edge cases."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvcompose's kernels are defined
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvcompose.ops import quant_fp8 as ops  # noqa: E402
-from quant_data import gpu, make, rel_err, same_bits  # noqa: E402
-from quant_data import needs_interpreter as needs_interpreter_for  # noqa: E402
+from kvcompose.ops import quant_fp8 as ops
+from quant_data import gpu, make, rel_err, same_bits
+from quant_data import needs_interpreter as needs_interpreter_for
 
 needs_interpreter = needs_interpreter_for(ops._fp8_quantize_kernel)
 
