@@ -399,7 +399,7 @@ def _operand(x, EXACT: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr):
     its bf16 arithmetic is not reliable and a dot of the rounded values is the same)."""
     r = x
     if EXACT:
-        r = x
+        pass
     elif NATIVE:  # the hardware conversion rounds to nearest even, as torch's does
         if OUT == 1:
             r = x.to(tl.bfloat16)
