@@ -89,6 +89,19 @@ def greedy(model, ids, mask, new_tokens, cache=None, impl=None, **kw):
     return out[:, ids.shape[1]:]
 
 
+def char_tokenizer():
+    """A tiny character-level fast tokenizer (no downloads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for c in "abcdefghijklmnopqrstuvwxyz ":
+        vocab[c] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
 @pytest.fixture(scope="session")
 def llama():
     return tiny_model("llama")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import greedy, tiny_model
+from conftest import char_tokenizer, greedy, tiny_model
 from kvcompose import Policy, registry
 from kvcompose.calibrate_run import (
     calibration_prompts,
@@ -19,7 +19,6 @@ from kvcompose.calibration import CalibrationWarning, load_calibration
 from kvcompose.classifiers import ClassifierInput
 from kvcompose.cli import main
 from kvcompose.hf import encode_prompts
-from test_hf_integration import _char_tokenizer
 
 PROMPTS = ["abc", "hello world", "the quick brown fox"]
 
@@ -39,7 +38,7 @@ def peaked_model(layers: int = 2, seed: int = 0):
 
 
 def test_collect_returns_one_step_by_layer_array_per_prompt():
-    model, tok = peaked_model(layers=3), _char_tokenizer()
+    model, tok = peaked_model(layers=3), char_tokenizer()
     model.set_attn_implementation("sdpa")
     arrays = collect_sparsity(model, tok, PROMPTS, max_new_tokens=12, min_new_tokens=12, batch_size=2,
                               progress=False)
@@ -55,7 +54,7 @@ def test_collect_returns_one_step_by_layer_array_per_prompt():
 
 def test_rows_stop_before_their_first_eos():
     """A row keeps the steps whose token precedes its first EOS; batch rows match their full-length run."""
-    model, tok = peaked_model(), _char_tokenizer()
+    model, tok = peaked_model(), char_tokenizer()
     full = collect_sparsity(model, tok, PROMPTS[:2], max_new_tokens=16, min_new_tokens=16, progress=False)
     enc = encode_prompts(tok, PROMPTS[:2])
     model.generation_config.eos_token_id = None
@@ -85,7 +84,7 @@ def _paper_sparsity(probs: torch.Tensor, kv_heads: int, threshold: float = 0.01)
 
 def test_recorded_step_equals_a_recomputation_from_eager_attention():
     """Step k of a prompt is the query of generated token k over the prompt and the tokens before it."""
-    model, tok = peaked_model(), _char_tokenizer()
+    model, tok = peaked_model(), char_tokenizer()
     prompt, steps = "hello world", 10
     recorded = collect_sparsity(model, tok, [prompt], max_new_tokens=steps + 1, min_new_tokens=steps + 1,
                                 progress=False)[0]
@@ -145,7 +144,7 @@ def test_calibration_prompts_extend_the_reasoning_prompts():
 
 
 def test_run_calibration_records_how_the_data_was_collected():
-    model, tok = peaked_model(), _char_tokenizer()
+    model, tok = peaked_model(), char_tokenizer()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CalibrationWarning)  # two random layers rarely show three modes
         result = run_calibration(model, tok, PROMPTS, max_new_tokens=20, model_name="tiny", min_steps=8,
@@ -157,14 +156,14 @@ def test_run_calibration_records_how_the_data_was_collected():
 
 
 def test_run_calibration_refuses_when_no_prompt_is_long_enough():
-    model, tok = peaked_model(), _char_tokenizer()
+    model, tok = peaked_model(), char_tokenizer()
     model.generation_config.eos_token_id = None
     with pytest.raises(ValueError, match="within 16 decode steps"):
         run_calibration(model, tok, PROMPTS[:1], max_new_tokens=8, progress=False)
 
 
 def test_cli_calibrate_on_a_tiny_model_directory(tmp_path, capsys):
-    model, tok = peaked_model(), _char_tokenizer()
+    model, tok = peaked_model(), char_tokenizer()
     model.generation_config.eos_token_id = tok.eos_token_id  # what --min-new-tokens masks
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import greedy, left_padded, tiny_model
+from conftest import char_tokenizer, greedy, left_padded, tiny_model
 from kvcompose import Policy
 from kvcompose.hf import CacheReuseError, UnsupportedModelError
 
@@ -158,7 +158,7 @@ def test_cache_refuses_beam_search(llama):
 
 
 def test_generate_helper_restores_attention_and_reports(llama):
-    tok = _char_tokenizer()
+    tok = char_tokenizer()
     llama.set_attn_implementation("sdpa")
     try:
         out = Policy.from_preset("streamingllm", budget=16).generate(llama, tok, ["abc", "hello world"], max_new_tokens=12)
@@ -172,19 +172,6 @@ def test_generate_helper_restores_attention_and_reports(llama):
     assert r.tokens_seen == [3 + 11, 11 + 11]
     assert r.kv_bytes <= r.peak_kv_bytes <= r.allocated_bytes + r.peak_kv_bytes
     assert r.full_kv_bytes > 0 and r.evictions > 0
-
-
-def _char_tokenizer():
-    """A tiny character-level fast tokenizer (no downloads)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
-    for c in "abcdefghijklmnopqrstuvwxyz ":
-        vocab[c] = len(vocab)
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 @pytest.mark.parametrize("preset", ["fullkv", "snapkv", "thinkv"])

@@ -43,6 +43,11 @@ class Trigger:
         """Smallest budget this trigger can work with (beyond the policy's protected tokens)."""
         return 1
 
+    def headroom(self, counts: TriggerInput) -> int | None:
+        """Most tokens a row at or under the budget gains before this trigger brings it back
+        (what static decode reserves beyond the budget); None: no bound (memory follows the length)."""
+        return None
+
 
 @register("trigger", "over_budget")
 @dataclass
@@ -53,6 +58,9 @@ class OverBudget(Trigger):
         if counts.budget is None:
             return counts.stored
         return counts.stored.clamp(max=counts.budget)
+
+    def headroom(self, counts: TriggerInput) -> int | None:
+        return 1
 
 
 def _check_int(trigger: str, name: str, value, low: int) -> None:
@@ -79,6 +87,9 @@ class Buffer(Trigger):
             raise ValueError("buffer trigger needs a budget (the policy has none)")
         full = counts.stored >= counts.budget + self.buffer
         return torch.where(full, counts.budget, counts.stored)
+
+    def headroom(self, counts: TriggerInput) -> int | None:
+        return self.buffer
 
 
 @register("trigger", "interval")
@@ -139,3 +150,6 @@ class SegmentEnd(Trigger):
         if counts.segment < 1:
             raise ValueError("segment_end trigger needs the policy's refresh period (Policy.refresh >= 1)")
         return (counts.generated > 0) & (counts.generated % counts.segment == 0)
+
+    def headroom(self, counts: TriggerInput) -> int | None:
+        return counts.segment

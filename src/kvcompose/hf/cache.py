@@ -58,7 +58,7 @@ class KVComposeLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif self.layer_idx == 0:
+        elif self.layer_idx == 0 and self.cache.static is None:
             self.cache.check_errors()  # once per forward pass: what the previous one's encodes recorded
         setattr(key_states, LAYER_ATTR, self)
         self._pending = True
@@ -113,10 +113,16 @@ class KVComposeLayer(CacheLayerMixin):
         policy = self.cache.policy
         store = self.store
         thoughts = self.cache.thoughts
-        cls = thoughts.classes_for(self.layer_idx, key.shape[0], key.shape[2], real, key.device)
-        positions = store.append(key, value, real, cls)
-        if real is not None:
-            positions = torch.where(real, positions, -1)
+        static = self.cache.static
+        if static is not None:  # a decode step of the static-shape path (see kvcompose.hf.static)
+            if real is not None or query.shape[2] != 1:
+                raise ValueError("static decode appends one real token per row and takes no attention mask")
+            positions = store.append_step(key, value, thoughts.step_classes(self.layer_idx), static.flush)
+        else:
+            cls = thoughts.classes_for(self.layer_idx, key.shape[0], key.shape[2], real, key.device)
+            positions = store.append(key, value, real, cls)
+            if real is not None:
+                positions = torch.where(real, positions, -1)
         self._record_queries(query, positions, policy.query_window)
         self.cache._note_memory(self.layer_idx)
         fused = self.cache.fused_attention and query.shape[2] == 1 and not self.cache.observers
@@ -126,6 +132,8 @@ class KVComposeLayer(CacheLayerMixin):
                 out = self._paged_attention(query, positions, scaling)
             else:
                 out = self._attention(query, view, positions, scaling)
+        if static is not None and not static.eager:
+            return out.transpose(1, 2).contiguous()  # the schedule says nothing else happens this step
         if view is None and thoughts.needs_view(self.layer_idx, store):
             view = store.view()
         thoughts.observe(self.layer_idx, query, view, scaling, store)
@@ -182,8 +190,13 @@ class KVComposeLayer(CacheLayerMixin):
         return out
 
     def _record_queries(self, query: torch.Tensor, positions: torch.Tensor, window: int) -> None:
-        """Keep the last ``window`` queries (current step last) with their positions (-1: padding)."""
+        """Keep the last ``window`` queries (current step last) with their positions (-1: padding).
+        In static mode they live in a fixed ring, shifted in place."""
         if window <= 0:
+            return
+        if self.cache.static is not None:
+            self.queries.copy_(torch.cat([self.queries[:, :, 1:], query], dim=2))
+            self.query_positions.copy_(torch.cat([self.query_positions[:, 1:], positions], dim=1))
             return
         if self.queries is None:
             B, Hq, _, D = query.shape
@@ -191,6 +204,19 @@ class KVComposeLayer(CacheLayerMixin):
             self.query_positions = torch.zeros(B, 0, dtype=torch.long, device=query.device)
         self.queries = torch.cat([self.queries, query], dim=2)[:, :, -window:]
         self.query_positions = torch.cat([self.query_positions, positions], dim=1)[:, -window:]
+
+    def fix_capacity(self, tokens: int) -> None:
+        """Static mode for this layer: the store's capacity, and a full query window (empty
+        entries at the front carry position -1, as padding does)."""
+        self.store.fix_capacity(tokens)
+        window = self.cache.policy.query_window
+        if window > 0 and self.queries is not None:
+            missing = window - self.queries.shape[2]
+            if missing > 0:
+                self.queries = torch.cat([self.queries.new_zeros(*self.queries.shape[:2], missing,
+                                                                 self.queries.shape[3]), self.queries], dim=2)
+                self.query_positions = torch.cat([torch.full_like(self.query_positions[:, :1], -1).expand(
+                    -1, missing), self.query_positions], dim=1)
 
     @property
     def query_valid(self) -> torch.Tensor | None:
@@ -220,21 +246,47 @@ class KVComposeCache(Cache):
         # Callables ``(layer_idx, query, view, query_positions, scaling)`` run after each
         # attention, before compression: the fidelity harness reads attention through them.
         self.observers: list = []
-        self.thoughts = ThoughtTracker(policy, num_layers)
-        self._in_use = [0] * num_layers
-        self.peak_kv_bytes = 0
         super().__init__(layers=[KVComposeLayer(self, i) for i in range(num_layers)])
+        self._start()
+
+    def _start(self) -> None:
+        self.thoughts = ThoughtTracker(self.policy, len(self.layers))
+        # Static decode (kvcompose.hf.static) sets this to the current step's StepPlan.
+        self.static = None
+        self.static_decoder = None  # the StaticDecoder of that path, for its counts of eager steps and replays
+        self._in_use = [0] * len(self.layers)
+        self._peak = 0
+        self._in_use_device: torch.Tensor | None = None  # [layers] bytes, static mode (no host sync)
+        self._peak_device: torch.Tensor | None = None
 
     def reset(self) -> None:
         """Empty every layer and the per-sequence state, ready for a new generation."""
         super().reset()
-        self.thoughts = ThoughtTracker(self.policy, len(self.layers))
-        self._in_use = [0] * len(self.layers)
-        self.peak_kv_bytes = 0
+        self._start()
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        """Most KV-cache bytes in use at once so far (all layers)."""
+        if self._peak_device is None:
+            return self._peak
+        return max(self._peak, int(self._peak_device))
 
     def _note_memory(self, layer_idx: int) -> None:
+        if self._in_use_device is not None:
+            self._in_use_device[layer_idx] = self.layers[layer_idx].store.bytes_in_use()
+            torch.maximum(self._peak_device, self._in_use_device.sum(), out=self._peak_device)
+            return
         self._in_use[layer_idx] = self.layers[layer_idx].store.memory()["in_use"]
-        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(self._in_use))
+        self._peak = max(self._peak, sum(self._in_use))
+
+    def fix_capacity(self, tokens: int) -> None:
+        """Enter static mode after the prefill: every layer's store gets room for ``tokens``
+        tokens per row now, and memory is tracked on the device from here on."""
+        device = self.layers[0].store.device
+        self._in_use_device = torch.tensor(self._in_use, dtype=torch.long, device=device)
+        self._peak_device = torch.tensor(self._peak, dtype=torch.long, device=device)
+        for layer in self.layers:
+            layer.fix_capacity(tokens)
 
     def views(self) -> list[StoreView]:
         """Current dense views of every initialized layer (for inspection and tests)."""

@@ -55,31 +55,39 @@ def encode_prompts(tokenizer, prompts, chat: bool | None = None) -> dict:
         tokenizer.padding_side = old_side
 
 
+FAST_KWARGS = {"eos_token_id", "pad_token_id"}  # what the static-shape path takes besides max_new_tokens
+
+
 def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat: bool | None = None,
-             progress: bool = False, **generate_kwargs) -> GenerationOutput:
-    """Run ``model.generate`` under ``policy`` and return texts, generated ids and the memory report.
+             progress: bool = False, fast: bool | None = None, **generate_kwargs) -> GenerationOutput:
+    """Generate under ``policy`` and return texts, generated ids and the memory report.
 
-    The model's attention implementation is switched to ``kvcompose`` for the call
-    and restored afterwards. Extra keyword arguments go to ``model.generate``.
+    ``fast``: decode through the static-shape path (:func:`kvcompose.hf.static.fast_generate`:
+    greedy, CUDA graphs on a GPU). ``None`` picks it on CUDA for greedy decoding with no
+    other ``model.generate`` options; ``False`` runs ``model.generate`` eagerly with every
+    option. The model's attention implementation is switched to ``kvcompose`` for the
+    call and restored afterwards. Extra keyword arguments go to ``model.generate``.
     """
-    from transformers import LogitsProcessorList
-
     if "past_key_values" in generate_kwargs:
         raise ValueError("policy.generate makes its own cache; do not pass past_key_values")
     enc = encode_prompts(tokenizer, prompts, chat).to(model.device)
+    greedy = not generate_kwargs.get("do_sample", getattr(model.generation_config, "do_sample", False))
+    other = sorted(set(generate_kwargs) - FAST_KWARGS - {"do_sample"})
+    if fast is None:
+        fast = model.device.type == "cuda" and greedy and not other
+    elif fast and (other or not greedy):
+        raise ValueError(
+            f"fast=True decodes greedily and takes only {sorted(FAST_KWARGS)}; got do_sample={not greedy} and "
+            f"options {other}. Use fast=False (model.generate, eager) for sampling or other generate options"
+        )
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     try:
         cache = policy.make_cache(model)
-        processors = LogitsProcessorList(generate_kwargs.pop("logits_processor", None) or [])
-        processors.append(_Progress(max_new_tokens, progress))
-        generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
-        with torch.inference_mode():
-            out = model.generate(
-                **enc, past_key_values=cache, max_new_tokens=max_new_tokens,
-                logits_processor=processors, **generate_kwargs,
-            )
-        processors[-1].bar.close()
+        if fast:
+            out = _fast(model, tokenizer, cache, enc, max_new_tokens, generate_kwargs)
+        else:
+            out = _eager(model, tokenizer, cache, enc, max_new_tokens, progress, generate_kwargs)
     finally:
         model.set_attn_implementation(previous)
     new = out[:, enc["input_ids"].shape[1]:]
@@ -88,6 +96,30 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
     texts = [tokenizer.decode(seq, skip_special_tokens=True) for seq in sequences]
     cache.check_errors()
     return GenerationOutput(texts, sequences, cache.report(), enc["attention_mask"].sum(1).tolist())
+
+
+def _eager(model, tokenizer, cache, enc, max_new_tokens, progress, generate_kwargs):
+    from transformers import LogitsProcessorList
+
+    processors = LogitsProcessorList(generate_kwargs.pop("logits_processor", None) or [])
+    processors.append(_Progress(max_new_tokens, progress))
+    generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    with torch.inference_mode():
+        out = model.generate(
+            **enc, past_key_values=cache, max_new_tokens=max_new_tokens,
+            logits_processor=processors, **generate_kwargs,
+        )
+    processors[-1].bar.close()
+    return out
+
+
+def _fast(model, tokenizer, cache, enc, max_new_tokens, generate_kwargs):
+    from .static import fast_generate
+
+    eos = generate_kwargs.get("eos_token_id", sorted(_eos_ids(model, tokenizer)) or None)
+    pad = generate_kwargs.get("pad_token_id", tokenizer.pad_token_id)
+    return fast_generate(model, cache, enc["input_ids"], enc["attention_mask"], max_new_tokens,
+                         eos_token_id=eos, pad_token_id=pad)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

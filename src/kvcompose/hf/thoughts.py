@@ -43,15 +43,28 @@ class ThoughtTracker:
             self.current = torch.full((batch,), self.default, dtype=torch.long, device=device)
             self.class_tokens = torch.zeros(len(self.policy.classes), dtype=torch.long, device=device)
         if layer_idx == 0:
-            if self.pending is not None:
-                self.current, self.pending = self.pending, None
-            self.forwards += 1
-            if self._evicted_this_step:
-                self.evicting_steps += 1
-            self._evicted_this_step = False
+            self.begin_forward()
             n_real = real.sum(1) if real is not None else torch.full((batch,), tokens, device=device)
             self.class_tokens.index_add_(0, self.current, n_real.to(torch.long))
         return self.current[:, None].expand(batch, tokens)
+
+    def begin_forward(self) -> None:
+        """Host bookkeeping at the start of a forward pass: adopt a pending class decision
+        (in place, so a captured decode step reads it), count the step. Static decode calls
+        this itself before every step, since a replayed graph runs no Python."""
+        if self.pending is not None:
+            self.current.copy_(self.pending)
+            self.pending = None
+        self.forwards += 1
+        if self._evicted_this_step:
+            self.evicting_steps += 1
+        self._evicted_this_step = False
+
+    def step_classes(self, layer_idx: int) -> torch.Tensor:
+        """Static decode: the class of each row's one new token ``[B]`` (counted at layer 0, on the device)."""
+        if layer_idx == 0:
+            self.class_tokens.index_add_(0, self.current, torch.ones_like(self.current))
+        return self.current
 
     def is_refresh_step(self, store) -> bool:
         """True in the prefill forward and whenever a segment of generated tokens completes."""

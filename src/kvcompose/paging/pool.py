@@ -52,6 +52,9 @@ class BlockPool:
             self.meta[name] = torch.empty(0, bs, dtype=torch.float32, device=device)
         self._free = torch.empty(0, dtype=torch.long, device=device)
         self.num_free = 0
+        # Static mode (fixed capacity, see :meth:`fix_capacity`): the slot that masked-out
+        # writes of a static-shape append go to; it belongs to no block table.
+        self.trash_slot: int | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -81,9 +84,23 @@ class BlockPool:
         return {n: t.view(-1, *t.shape[2:]) for n, t in self.blocks.items()}
 
     # ------------------------------------------------------------ allocation
+    def fix_capacity(self, blocks: int) -> None:
+        """Grow once so that ``blocks`` more can be taken without growing again, plus one
+        block whose first slot takes the masked-out writes of static-shape appends.
+        After this the pool's tensors never move (what a captured CUDA graph needs)."""
+        if self.trash_slot is None:
+            self._grow(max(blocks + 1 - self.num_free, 0))
+            self.trash_slot = int(self.allocate(1)[0]) * self.block_size
+        elif blocks > self.num_free:
+            raise ValueError(f"pool {self.codec.name!r}: capacity already fixed with {self.num_free} free blocks; "
+                             f"{blocks} needed")
+
     def allocate(self, n: int) -> torch.Tensor:
         """Take ``n`` block ids, reusing freed blocks before growing the pool."""
         if n > self.num_free:
+            if self.trash_slot is not None:
+                raise ValueError(f"pool {self.codec.name!r}: its capacity is fixed (static decode) and {n} blocks "
+                                 f"were asked for with {self.num_free} free")
             self._grow(max(n - self.num_free, self.capacity))
         ids = self._free[self.num_free - n : self.num_free].clone()
         self.num_free -= n

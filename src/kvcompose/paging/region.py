@@ -27,33 +27,48 @@ class Region:
         # Set by pagers that evict in place (``ct``): empty slots inside the written
         # range exist and are refilled before the row grows.
         self.has_holes = False
+        # Static mode (:meth:`fix_width`): every table entry holds a block from the start,
+        # state changes in place, and a row that outgrows its table sets ``overflow``.
+        self.static = False
+        self.overflow = torch.zeros((), dtype=torch.int32, device=device)
 
-    def place(self, mask: torch.Tensor, slots: dict, groups: dict, meta: dict) -> None:
+    def place(self, mask: torch.Tensor, slots: dict, groups: dict, meta: dict, aligned: bool = False) -> None:
         """Write tokens into each row's blocks, in order: first into holes left by in-place eviction, then appended.
 
         ``mask`` ``[B, N]`` says which tokens each row writes; ``slots`` and ``meta``
         hold those tokens' per-slot tensors flattened row-major (``[M, ...]``, ``M =
         mask.sum()``); ``groups`` holds per-group tensors (``[M / group_tokens, ...]``).
+        ``aligned=True`` (static mode): they hold every one of the ``B * N`` tokens instead,
+        and the tokens ``mask`` leaves out are written to the pool's trash slot, so shapes
+        do not depend on the mask and nothing synchronizes with the host.
         """
         count = mask.sum(1)
-        if not bool(count.any()):
-            return
         pool = self.pool
         bs, g = pool.block_size, pool.codec.group_tokens
-        if g > 1 and bool(((self.length % g) != 0).any() | ((count % g) != 0).any()):
-            raise ValueError(f"format {pool.codec.name!r} can only append whole groups of {g} tokens")
-        rank = (mask.cumsum(1) - 1)[mask]
-        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(mask)[mask]
-        holes, n_holes = self._holes() if self.has_holes else (None, torch.zeros_like(count))
+        if not self.static:
+            if not bool(count.any()):
+                return
+            if g > 1 and bool(((self.length % g) != 0).any() | ((count % g) != 0).any()):
+                raise ValueError(f"format {pool.codec.name!r} can only append whole groups of {g} tokens")
+        rank = mask.cumsum(1) - 1
+        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(mask)
+        rank, rows = (rank.reshape(-1), rows.reshape(-1)) if aligned else (rank[mask], rows[mask])
+        holes, n_holes = self._holes() if (self.has_holes or self.static) else (None, torch.zeros_like(count))
         if holes is not None and holes.shape[1] == 0:
             holes = None
         appended = (count - n_holes).clamp(min=0)
-        self._ensure_blocks((self.length + appended + bs - 1) // bs)
-        logical = self.length[rows] + rank - n_holes[rows]
-        slot = self.table[rows, logical.clamp(min=0) // bs] * bs + logical.clamp(min=0) % bs
+        if self.static:
+            self.overflow |= ((self.length + appended) > self.table.shape[1] * bs).any().to(torch.int32)
+        else:
+            self._ensure_blocks((self.length + appended + bs - 1) // bs)
+        logical = (self.length[rows] + rank - n_holes[rows]).clamp(min=0)
+        column = (logical // bs).clamp(max=self.table.shape[1] - 1)
+        slot = self.table[rows, column] * bs + logical % bs
         if holes is not None:
             into_hole = rank < n_holes[rows]
-            slot = torch.where(into_hole, holes[rows, rank.clamp(max=holes.shape[1] - 1)], slot)
+            slot = torch.where(into_hole, holes[rows, rank.clamp(min=0, max=holes.shape[1] - 1)], slot)
+        if aligned:
+            slot = torch.where(mask.reshape(-1), slot, pool.trash_slot)
         for name, flat in pool.flat_slots(pool.slots).items():
             flat[slot] = slots[name]
         for name, flat in pool.flat_slots(pool.meta).items():
@@ -62,12 +77,14 @@ class Region:
             first = slot[::g] // g  # group index = first slot of the group / group size
             for name, flat in pool.flat_groups().items():
                 flat[first] = groups[name]
-        self.length = self.length + appended
+        self.length += appended
+        if self.static:
+            self.num_blocks.copy_((self.length + bs - 1) // bs)
 
     def _holes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty slots inside each row's written range: pool slots ``[B, n]`` (in block order) and counts ``[B]``."""
         bs = self.pool.block_size
-        table = self.used_table()
+        table = self.table if self.static else self.used_table()
         B, W = table.shape
         phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(B, W * bs)
         written = torch.arange(W * bs, device=self.device)[None, :] < self.length[:, None]
@@ -88,15 +105,34 @@ class Region:
         cols = torch.arange(self.table.shape[1], device=self.device)[None, :]
         fresh = (cols >= self.num_blocks[:, None]) & (cols < need[:, None])
         self.table[fresh] = self.pool.allocate(n)
-        self.num_blocks = torch.maximum(self.num_blocks, need)
+        torch.maximum(self.num_blocks, need, out=self.num_blocks)
 
     def release_rows(self, rows: torch.Tensor) -> None:
-        """Free every block of the selected rows (``[B]`` bool) and empty their tables."""
+        """Free every block of the selected rows (``[B]`` bool) and empty their tables.
+
+        In static mode a row keeps its blocks (their slots are emptied) and writes again
+        from its first block."""
         ids = self.table[rows]
-        self.pool.release(ids[ids >= 0])
-        self.table[rows] = -1
-        self.num_blocks = torch.where(rows, 0, self.num_blocks)
-        self.length = torch.where(rows, 0, self.length)
+        if self.static:
+            ids = ids.reshape(-1)
+            self.pool.meta["valid"][ids] = False
+            self.pool.meta["pos"][ids] = -1
+        else:
+            self.pool.release(ids[ids >= 0])
+            self.table[rows] = -1
+        self.num_blocks.masked_fill_(rows, 0)
+        self.length.masked_fill_(rows, 0)
+
+    def fix_width(self, width: int) -> None:
+        """Static mode: give every row ``width`` blocks now (keeping the ones it has), so that
+        appends never allocate, and keep all state in these tensors from now on."""
+        width = max(width, self.table.shape[1])
+        if width > self.table.shape[1]:
+            pad = torch.full((self.batch_size, width - self.table.shape[1]), -1, dtype=torch.long, device=self.device)
+            self.table = torch.cat([self.table, pad], dim=1)
+        missing = self.table < 0
+        self.table[missing] = self.pool.allocate(int(missing.sum()))
+        self.static = True
 
     def used_table(self) -> torch.Tensor:
         """The block-table columns in use by at least one row (``[B, W]``)."""
@@ -110,6 +146,11 @@ class Region:
             return torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         per_block = self.pool.meta["valid"][table.clamp(min=0)].sum(-1) * (table >= 0)
         return per_block.sum(1)
+
+    def blocks_written(self) -> torch.Tensor:
+        """Blocks holding at least one written slot, summed over rows (a 0-d tensor; what
+        the eager path allocates, so memory accounting is the same in static mode)."""
+        return ((self.length + self.pool.block_size - 1) // self.pool.block_size).sum()
 
     @property
     def table_bytes(self) -> int:

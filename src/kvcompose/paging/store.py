@@ -92,7 +92,9 @@ class LayerStore:
             for name, p in pools.items()
         }
         self.row_scales_set = {name: torch.zeros(batch_size, dtype=torch.bool, device=device) for name in pools}
-        B, cap = batch_size, residual + group_size - 1
+        # One slot more than the buffer ever keeps between appends: a static-shape decode
+        # step writes its token before the oldest group leaves (see append_step).
+        B, cap = batch_size, residual + group_size
         self.buf_k = torch.zeros(B, cap, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.buf_v = torch.zeros_like(self.buf_k)
         meta_dtypes = {"pos": torch.long, "valid": torch.bool, "cls": torch.long}
@@ -108,6 +110,7 @@ class LayerStore:
         self.evictions = 0
         # Non-zero once a real token's key or value was NaN/inf; read by check_errors (no sync here).
         self.nonfinite = torch.zeros(1, dtype=torch.int32, device=device)
+        self.static = False  # see fix_capacity
 
     # ----------------------------------------------------------------- append
     def append(
@@ -123,6 +126,8 @@ class LayerStore:
         index (into :attr:`class_names`) of each token's class (default: class 0).
         """
         B, H, T, D = keys.shape
+        if self.static:
+            raise ValueError("this store is in static mode (fixed capacity): append one token per row with append_step")
         if (B, H, D) != (self.batch_size, self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"keys of shape {tuple(keys.shape)} do not match the cache (batch {self.batch_size}, "
@@ -163,30 +168,39 @@ class LayerStore:
         self.refill_buffer(k, v, meta, live & ~to_blocks)
         return positions
 
-    def encode_and_place(self, k: torch.Tensor, v: torch.Tensor, meta: dict, mask: torch.Tensor) -> None:
-        """Encode the ``mask``-selected buffer tokens (``[B, N, H, D]``) by class and append them to blocks."""
+    def encode_and_place(self, k: torch.Tensor, v: torch.Tensor, meta: dict, mask: torch.Tensor,
+                         aligned: bool = False) -> None:
+        """Encode the ``mask``-selected buffer tokens (``[B, N, H, D]``) by class and append them to blocks.
+
+        ``aligned=True`` (static mode) encodes all ``B * N`` tokens and lets each region
+        write only its selected ones: shapes do not depend on the mask, no host sync."""
         for index, region in enumerate(self.regions):
             sel = mask & (meta["cls"] == index)
-            if not bool(sel.any()):
+            if not aligned and not bool(sel.any()):
                 continue
             codec, pool_name = region.pool.codec, region.pool.codec.name
-            scales = self._row_scales_for(pool_name, codec, k, v, sel)
-            slots, groups = codec.encode(k[sel], v[sel], scales)
-            region.place(sel, slots, groups, {name: meta[name][sel] for name in region.pool.meta})
+            scales = self._row_scales_for(pool_name, codec, k, v, sel, aligned)
+            pick = (lambda t: t.reshape(-1, *t.shape[2:])) if aligned else (lambda t: t[sel])
+            slots, groups = codec.encode(pick(k), pick(v), scales)
+            region.place(sel, slots, groups, {name: pick(meta[name]) for name in region.pool.meta}, aligned)
 
-    def _row_scales_for(self, pool_name: str, codec: SlotCodec, k, v, sel) -> dict:
+    def _row_scales_for(self, pool_name: str, codec: SlotCodec, k, v, sel, aligned: bool = False) -> dict:
         """Per-token view of a format's per-sequence scales, fixing them at a row's first encode."""
         store = self.row_scales[pool_name]
         if not store:
             return {}
         first = sel.any(1) & ~self.row_scales_set[pool_name]
-        if bool(first.any()):
+        if aligned or bool(first.any()):
             fresh = codec.init_row_scales(k, v, sel & first[:, None])
             for name, t in fresh.items():
-                store[name][first] = t[first]
+                store[name].copy_(torch.where(first[:, None], t, store[name]))
             self.row_scales_set[pool_name] |= first
-        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(sel)[sel]
-        return {name: t[rows] for name, t in store.items()}
+        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(sel)
+        if not aligned:
+            return {name: t[rows[sel]] for name, t in store.items()}
+        # Rows that write nothing may have no scale yet; any valid one keeps the encoder quiet.
+        ready = self.row_scales_set[pool_name][:, None]
+        return {name: torch.where(ready, t, 1.0)[rows.reshape(-1)] for name, t in store.items()}
 
     def refill_buffer(self, k, v, meta, keep: torch.Tensor) -> None:
         """Write the ``keep`` tokens of each row, in order, to the front of the buffer."""
@@ -202,7 +216,75 @@ class LayerStore:
         for (name, t), vals in zip(self.buf_meta.items(), picked[2:]):
             t.fill_(-1 if name == "pos" else 0)
             t[r, d] = vals
-        self.buf_len = keep.sum(1)
+        self.buf_len.copy_(keep.sum(1))
+
+    # ----------------------------------------------------------- static mode
+    def fix_capacity(self, tokens: int) -> None:
+        """Enter static mode: every region of every row gets blocks for ``tokens`` tokens now,
+        and from then on :meth:`append_step` appends one token per row with fixed shapes, in place,
+        without host synchronization: what a captured CUDA graph replays."""
+        if self.static:
+            raise ValueError("this store is already in static mode")
+        for pool in self.pools.values():
+            regions = [r for r in self.regions if r.pool is pool]
+            width = -(-tokens // pool.block_size)
+            need = sum(max(width, r.table.shape[1]) * self.batch_size - int((r.table >= 0).sum()) for r in regions)
+            pool.fix_capacity(need)
+            for region in regions:
+                region.fix_width(width)
+        self.column = torch.full((), self.columns_seen, dtype=torch.long, device=self.device)
+        self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)
+        self.static = True
+
+    def append_step(self, keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, flush: bool) -> torch.Tensor:
+        """Static mode: append one real token per row (``[B, Hkv, 1, D]``, classes ``[B]``) and
+        return its positions ``[B, 1]``. ``flush``: the caller knows that some row's buffer
+        fills this step, so its oldest group is encoded into blocks (rows whose buffer is not
+        full write nothing). Host counters (``columns_seen``) are the caller's to advance."""
+        B = self.batch_size
+        cap = self.buf_k.shape[1]
+        rows = torch.arange(B, device=self.device)
+        at = self.buf_len.clamp(max=cap - 1)
+        self.overflow |= (self.buf_len >= cap).any().to(torch.int32)
+        finite = torch.isfinite(keys).all() & torch.isfinite(values).all()
+        self.nonfinite |= (~finite).to(torch.int32)
+        positions = self.column.expand(B, 1).clone()  # not a view: the counter moves on below
+        self.buf_k[rows, at] = keys[:, :, 0]
+        self.buf_v[rows, at] = values[:, :, 0]
+        new_meta = {"pos": positions[:, 0], "valid": True, "cls": cls}
+        for name, t in self.buf_meta.items():
+            t[rows, at] = new_meta.get(name, 0)
+        self.buf_len += 1
+        self.tokens_seen += 1
+        self.column += 1
+        if flush:
+            self._flush_full_rows()
+        return positions
+
+    def _flush_full_rows(self) -> None:
+        """Rows whose buffer holds ``residual + group_size`` tokens move their oldest group to
+        blocks and shift the rest to the front (what :meth:`append` does, with fixed shapes)."""
+        G, cap = self.group_size, self.buf_k.shape[1]
+        full = self.buf_len == cap
+        first_group = full[:, None] & (torch.arange(cap, device=self.device) < G)
+        self.encode_and_place(self.buf_k, self.buf_v, self.buf_meta, first_group, aligned=True)
+        for t, fill in [(self.buf_k, 0), (self.buf_v, 0)] + [(t, -1 if n == "pos" else 0) for n, t in self.buf_meta.items()]:
+            shifted = torch.cat([t[:, G:], torch.full_like(t[:, :G], fill)], dim=1)
+            t.copy_(torch.where(full.view(-1, *[1] * (t.dim() - 1)), shifted, t))
+        self.buf_len -= full * G
+
+    def bytes_in_use(self) -> torch.Tensor:
+        """:meth:`memory`'s ``in_use`` as a device scalar (no host synchronization)."""
+        per_block = {id(p): p.bytes_per_block for p in self.pools.values()}
+        blocks = sum(r.blocks_written() * per_block[id(r.pool)] for r in self.regions)
+        return blocks + self._fixed_bytes()
+
+    def _fixed_bytes(self) -> int:
+        """Bytes that do not depend on what is stored: block tables, row scales, the buffer."""
+        tables = sum(r.table_bytes for r in self.regions)
+        tables += sum(t.numel() * t.element_size() for s in self.row_scales.values() for t in s.values())
+        buffer = 2 * self.buf_k.numel() * self.buf_k.element_size()
+        return tables + buffer + sum(t.numel() * t.element_size() for t in self.buf_meta.values())
 
     # ------------------------------------------------------------------- view
     def view(self) -> StoreView:
@@ -271,9 +353,9 @@ class LayerStore:
         col = 0
         for source, meta in self._sources():
             slots = source.slots()
-            d = delta[:, col:col + slots.shape[1]]
-            ok = slots >= 0
-            meta[name].index_add_(0, slots[ok], d[ok].to(torch.float32))
+            d = delta[:, col:col + slots.shape[1]].to(torch.float32)
+            ok = slots >= 0  # missing blocks add zero to slot 0: fixed shapes, no host sync
+            meta[name].index_add_(0, slots.clamp(min=0).reshape(-1), torch.where(ok, d, 0.0).reshape(-1))
             col += slots.shape[1]
 
     def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,8 +394,9 @@ class LayerStore:
 
     def check_errors(self, where: str = "kvcompose store") -> None:
         """Raise for bad keys/values recorded on the device since the last check: NaN/inf in a
-        real token (every format, the same message, naming ``where``), then what encoding
-        recorded (see :meth:`SlotCodec.check_errors`). Each error is raised once."""
+        real token (every format, the same message, naming ``where``), a row that outgrew the
+        fixed capacity of static mode, then what encoding recorded (see
+        :meth:`SlotCodec.check_errors`). Each error is raised once."""
         if int(self.nonfinite.item()):
             for flag in self.error_flags():  # the codecs saw the same bad values
                 flag.zero_()
@@ -321,30 +404,44 @@ class LayerStore:
                 f"{where}: the model produced NaN/inf keys or values; the cache does not store them. Typical causes: "
                 "fp16 overflow (run the model in bf16 or fp32), or NaN/inf already in the inputs or weights"
             )
+        overflow = self._overflow_flags()
+        if overflow and int(torch.stack(overflow).amax()):
+            for flag in overflow:
+                flag.zero_()
+            raise ValueError(
+                f"{where}: a sequence outgrew the capacity fixed for static decode (the buffer or a region's blocks); "
+                "tokens were lost. This is a kvcompose bug: please report it, and decode with fast=False meanwhile"
+            )
         for pool in self.pools.values():
             pool.codec.check_errors()
 
+    def _overflow_flags(self) -> list[torch.Tensor]:
+        return [self.overflow] + [r.overflow for r in self.regions] if self.static else []
+
     def error_flags(self) -> list[torch.Tensor]:
-        """The device error flags of this layer (non-finite input, then its codecs'; see
-        :meth:`SlotCodec.error_flags`), so a caller can test many with one synchronization."""
-        return [self.nonfinite] + [f for f in (pool.codec.error_flags() for pool in self.pools.values())
-                                   if f is not None]
+        """The device error flags of this layer (non-finite input, static-capacity overflow,
+        then its codecs'; see :meth:`SlotCodec.error_flags`), so a caller can test many with
+        one synchronization."""
+        return [self.nonfinite] + [f.reshape(1) for f in self._overflow_flags()] + [
+            f for f in (pool.codec.error_flags() for pool in self.pools.values()) if f is not None]
 
     def memory(self) -> dict[str, int]:
-        """Bytes this layer holds, split by what they are for."""
-        pools = self.pools.values()
-        payload = sum(p.blocks_in_use * p.payload_bytes_per_block for p in pools)
-        block_meta = sum(p.blocks_in_use * p.meta_bytes_per_block for p in pools)
+        """Bytes this layer holds, split by what they are for. Blocks count once they hold a
+        written slot (static mode reserves more: see ``allocated``)."""
+        payload = block_meta = 0
+        for r in self.regions:
+            blocks = int(r.blocks_written())
+            payload += blocks * r.pool.payload_bytes_per_block
+            block_meta += blocks * r.pool.meta_bytes_per_block
         tables = sum(r.table_bytes for r in self.regions)
         tables += sum(t.numel() * t.element_size() for s in self.row_scales.values() for t in s.values())
-        buffer = 2 * self.buf_k.numel() * self.buf_k.element_size()
-        buffer += sum(t.numel() * t.element_size() for t in self.buf_meta.values())
+        buffer = self._fixed_bytes() - tables
         full_per_token = 2 * self.num_kv_heads * self.head_dim * self.buf_k.element_size()
         return {
             "payload": payload,
             "metadata": block_meta + tables,
             "buffer": buffer,
             "in_use": payload + block_meta + tables + buffer,
-            "allocated": sum(p.capacity * p.bytes_per_block for p in pools) + tables + buffer,
+            "allocated": sum(p.capacity * p.bytes_per_block for p in self.pools.values()) + tables + buffer,
             "full": int(self.tokens_seen.sum()) * full_per_token,
         }

@@ -1,0 +1,213 @@
+"""Static-shape decoding: decode steps with fixed shapes, replayed as CUDA graphs on a GPU.
+
+After an eager prefill every layer's store gets its capacity for the whole generation
+(:meth:`LayerStore.fix_capacity`), so a decode step appends in place through
+device-side indices and attends through the fused paged kernel with no host
+synchronization. What differs between steps is known on the host in advance: a
+:class:`Schedule` says which steps move a buffer group into blocks (``flush``) and which
+must run eagerly (a trigger fires, the classifier refreshes), by running the policy's
+own trigger on the counts that each step adds. The other steps replay one of two
+captured CUDA graphs (with or without a flush). On CPU, or with ``graphs=False``, the
+same steps run eagerly: that is how the tests check that this path gives the tokens of
+the eager path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..triggers import TriggerInput
+from .model_check import check_model
+
+SIMULATION_CHUNK = 256  # decode steps whose trigger decisions the schedule evaluates at once
+
+
+@dataclass
+class StepPlan:
+    """What one decode step does besides appending and attending."""
+
+    flush: bool  # some row's recent buffer fills: its oldest group is encoded into blocks
+    eager: bool  # a trigger fires or the classifier refreshes: run the whole policy, outside a graph
+
+
+def static_capacity(policy, prompt_columns: int, max_new_tokens: int) -> int:
+    """Tokens per row and region that static decode reserves: the whole sequence for policies
+    without a bound, else the budget (or the prompt, if longer) plus what the trigger lets
+    a row gain before it acts, plus one buffer group."""
+    full = prompt_columns + max_new_tokens
+    if policy.evictor is None or policy.budget is None:
+        return full
+    none = torch.zeros(1, dtype=torch.long)
+    head = policy.trigger.headroom(TriggerInput(none, none, none, policy.budget, policy.refresh))
+    if head is None:
+        return full
+    return min(full, max(prompt_columns, policy.budget) + head + policy.group_size)
+
+
+class Schedule:
+    """Which decode steps flush a buffer group and which must run eagerly, known in advance.
+
+    Every decode step adds one token to every row of every layer, so from the counts read
+    at one synchronization (after the prefill and after each eager step) the host knows
+    each later step's counts and evaluates the policy's trigger on them."""
+
+    def __init__(self, cache, steps: int):
+        self.cache = cache
+        self.policy = cache.policy
+        self.stores = [layer.store for layer in cache.layers]
+        self.remaining = steps
+        self.capacity = self.stores[0].buf_k.shape[1]
+        self.group = self.stores[0].group_size
+        self.sync()
+
+    def sync(self) -> None:
+        """Read the buffer fill and the trigger's counts from the device (one synchronization)."""
+        self.buffered = torch.stack([s.buf_len for s in self.stores]).cpu()  # [layers, B]
+        self.since_sync = 0
+        self.fires_at = self._next_firing()
+
+    def _next_firing(self) -> int | None:
+        """Steps after this sync until the trigger fires in some layer and row (None: not within the run)."""
+        if self.policy.evictor is None:
+            return None
+        counts = [s.counts() for s in self.stores]
+        stored = torch.stack([c[0] for c in counts]).cpu()
+        prompt = torch.stack([c[1] for c in counts]).cpu()
+        generated = torch.stack([s.tokens_seen - s.prompt_tokens for s in self.stores]).cpu()
+        for start in range(0, self.remaining, SIMULATION_CHUNK):
+            k = torch.arange(start + 1, min(start + SIMULATION_CHUNK, self.remaining) + 1)[:, None, None]
+            later = TriggerInput(stored + k, prompt.expand(len(k), -1, -1), generated + k, self.policy.budget,
+                                 self.policy.refresh)
+            fires = self.policy.trigger.fires(later, self.policy.trigger.plan(later)).flatten(1).any(1)
+            if bool(fires.any()):
+                return start + 1 + int(fires.nonzero()[0])
+        return None
+
+    def next(self) -> StepPlan:
+        """The plan of the next step (call after the host counters of that step advanced)."""
+        self.since_sync += 1
+        self.remaining -= 1
+        self.buffered += 1
+        full = self.buffered == self.capacity
+        self.buffered -= full.long() * self.group
+        refresh = self.cache.thoughts.is_refresh_step(self.stores[0])
+        return StepPlan(flush=bool(full.any()), eager=refresh or self.since_sync == self.fires_at)
+
+
+class StaticDecoder:
+    """Runs decode steps of a prefilled cache in static mode; with ``graphs``, the steps that
+    are not eager replay captured CUDA graphs (each variant runs once eagerly first, which
+    compiles its kernels, then is captured)."""
+
+    def __init__(self, model, cache, next_positions: torch.Tensor, columns: int, graphs: bool):
+        self.model = model
+        self.cache = cache
+        B = next_positions.shape[0]
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=next_positions.device)
+        self.positions = next_positions.clone()  # [B, 1], as generate computes them from the mask
+        self.cache_position = torch.full((1,), columns, dtype=torch.long, device=next_positions.device)
+        self.graphs = graphs
+        self.captured: dict[bool, tuple] = {}
+        self.warm: set[bool] = set()
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.eager_steps = 0
+        self.replays = 0
+
+    def _forward(self) -> torch.Tensor:
+        out = self.model(input_ids=self.ids, position_ids=self.positions, cache_position=self.cache_position,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def begin_step(self) -> None:
+        """Advance the host's counters for the next step (a replayed graph runs no Python)."""
+        for layer in self.cache.layers:
+            layer.store.columns_seen += 1
+        self.cache.thoughts.begin_forward()
+
+    def step(self, tokens: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Feed ``tokens`` ``[B]`` through one decode step planned by ``plan`` (after
+        :meth:`begin_step`); returns logits ``[B, V]``."""
+        self.ids.copy_(tokens[:, None])
+        self.cache.static = plan
+        if plan.eager or not self.graphs or plan.flush not in self.warm:
+            if not plan.eager:
+                self.warm.add(plan.flush)
+            self.eager_steps += plan.eager
+            logits = self._forward()
+        else:
+            if plan.flush not in self.captured:
+                self.captured[plan.flush] = self._capture()
+            graph, logits = self.captured[plan.flush]
+            graph.replay()
+            self.replays += 1
+        self.positions += 1
+        self.cache_position += 1
+        return logits
+
+    def _capture(self) -> tuple:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward()
+        return graph, logits
+
+
+def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  max_new_tokens: int = 256, eos_token_id=None, pad_token_id: int | None = None,
+                  graphs: bool | None = None) -> torch.Tensor:
+    """Greedy decoding on a fresh kvcompose ``cache`` through the static-shape path; returns
+    ``[B, prompt + new]`` ids like ``model.generate(..., do_sample=False)``.
+
+    The way to decode fast when you drive the model yourself: it replaces
+    ``model.generate(**inputs, past_key_values=cache, do_sample=False)``. ``graphs``: replay
+    captured CUDA graphs (default: on CUDA). Rows that produced an EOS continue with
+    ``pad_token_id``, and decoding stops when all have (one host synchronization per step,
+    only when ``eos_token_id`` is given)."""
+    check_model(model)
+    if cache.observers:
+        raise ValueError("static decode does not run attention observers; decode eagerly (fast=False) to observe")
+    if not cache.fused_attention:
+        raise ValueError("static decode attends through the fused paged kernel; this cache has fused_attention=False")
+    if cache.layers[0].store is not None:
+        raise ValueError("static decode needs a fresh cache (policy.make_cache(model), or cache.reset())")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    graphs = input_ids.is_cuda if graphs is None else graphs
+    if graphs and not input_ids.is_cuda:
+        raise ValueError("graphs=True needs the model and inputs on a CUDA device")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=input_ids.device).reshape(-1)
+    if eos is not None and pad_token_id is None:
+        raise ValueError("pad_token_id is needed with eos_token_id (rows that finished continue with it)")
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1)
+        cache.check_errors()
+        tokens = [token]
+        finished = torch.zeros_like(token, dtype=torch.bool) if eos is None else torch.isin(token, eos)
+        if max_new_tokens > 1 and not (eos is not None and bool(finished.all())):
+            cache.fix_capacity(static_capacity(cache.policy, input_ids.shape[1], max_new_tokens))
+            schedule = Schedule(cache, max_new_tokens - 1)
+            decoder = StaticDecoder(model, cache, positions[:, -1:] + 1, input_ids.shape[1], graphs)
+            cache.static_decoder = decoder
+            try:
+                for _ in range(max_new_tokens - 1):
+                    decoder.begin_step()
+                    plan = schedule.next()
+                    token = decoder.step(token, plan).argmax(-1)
+                    if plan.eager:
+                        cache.check_errors()
+                        schedule.sync()
+                    if eos is not None:
+                        token = torch.where(finished, pad_token_id, token)
+                        finished |= torch.isin(token, eos)
+                    tokens.append(token)
+                    if eos is not None and bool(finished.all()):
+                        break
+            finally:
+                cache.static = None
+        cache.check_errors()
+    return torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)

@@ -1,0 +1,154 @@
+"""Static-shape decoding (kvcompose.hf.static): the same tokens, evictions and memory as the eager path."""
+
+import pytest
+import torch
+
+from conftest import char_tokenizer, greedy, left_padded
+from kvcompose import Policy
+from kvcompose.hf.static import Schedule, fast_generate, static_capacity
+
+# Small budgets and periods so that every trigger fires within a short run.
+POLICIES = {
+    "fullkv": {},
+    "streamingllm": {"budget": 32},
+    "h2o": {"budget": 32},
+    "snapkv": {"budget": 32, "trigger": {"buffer": 8}},
+    "rkv": {"budget": 32, "trigger": {"buffer": 8}},
+    "rpc": {"trigger": {"period": 16, "ratio": 4, "recent": 4}, "protect_recent": 4},
+    "fp8": {},
+    "nvfp4": {},
+    "kivi2": {},
+    "thinkv": {"budget": 48, "refresh": 16},
+    "thinkv-tbq": {"refresh": 16},
+    "thinkv-tbe": {"budget": 48, "refresh": 16},
+}
+NEW_TOKENS = 40
+
+
+def _run_both(model, policy, ids, mask, new=NEW_TOKENS):
+    eager = policy.make_cache(model)
+    expected = greedy(model, ids, mask, new, cache=eager)
+    static = policy.make_cache(model)
+    got = fast_generate(model, static, ids, mask, new)[:, ids.shape[1]:]
+    return expected, got, eager, static
+
+
+def _payload(cache):
+    return sum(layer.store.memory()["payload"] for layer in cache.layers)
+
+
+@pytest.mark.parametrize("preset", sorted(POLICIES))
+def test_static_path_gives_the_eager_tokens_evictions_and_memory(llama, preset):
+    policy = Policy.from_preset(preset, **POLICIES[preset])
+    _, ids, mask = left_padded([20, 13, 31])  # rows of different lengths: buffers fill on different steps
+    expected, got, eager, static = _run_both(llama, policy, ids, mask)
+    assert torch.equal(expected, got)
+    a, b = eager.report(), static.report()
+    assert a.evictions == b.evictions
+    assert a.eviction_steps == b.eviction_steps if hasattr(a, "eviction_steps") else True
+    assert _payload(eager) == _payload(static)
+    for x, y in zip(eager.layers, static.layers):  # the same tokens kept, at the same positions
+        vx, vy = x.store.view(), y.store.view()
+        for r in range(ids.shape[0]):
+            assert sorted(vx.positions[r][vx.valid[r]].tolist()) == sorted(vy.positions[r][vy.valid[r]].tolist())
+    assert static.static_decoder.eager_steps <= NEW_TOKENS - 1
+
+
+def test_schedule_predicts_exactly_the_steps_whose_trigger_fires(llama):
+    policy = Policy.from_preset("rkv", budget=32, trigger={"buffer": 8})
+    _, ids, mask = left_padded([20, 13, 31])
+    eager = policy.make_cache(llama)
+    greedy(llama, ids, mask, NEW_TOKENS, cache=eager)
+    static = policy.make_cache(llama)
+    fast_generate(llama, static, ids, mask, NEW_TOKENS)
+    # Every eager step of the static path is an eviction step of the eager path and vice versa.
+    assert static.static_decoder.eager_steps == eager.thoughts.report()["eviction_steps"]
+    assert eager.thoughts.report()["eviction_steps"] > 1
+
+
+def test_static_step_keeps_every_state_tensor_in_place(llama):
+    """What a captured CUDA graph needs: a step writes into the tensors it read, never new ones."""
+    policy = Policy.from_preset("thinkv", budget=48, refresh=16)
+    _, ids, mask = left_padded([20, 13, 31])
+    cache = policy.make_cache(llama)
+    fast_generate(llama, cache, ids, mask, 2)  # prefill + one step: static mode entered
+
+    def tensors(c):
+        out = {}
+        for i, layer in enumerate(c.layers):
+            s = layer.store
+            named = {"buf_k": s.buf_k, "buf_len": s.buf_len, "tokens_seen": s.tokens_seen, "column": s.column,
+                     "queries": layer.queries, **{f"meta.{n}": t for n, t in s.buf_meta.items()}}
+            for j, r in enumerate(s.regions):
+                named.update({f"r{j}.table": r.table, f"r{j}.length": r.length, f"r{j}.blocks": r.num_blocks})
+            for name, p in s.pools.items():
+                named.update({f"{name}.{n}": t for n, t in {**p.slots, **p.meta}.items()})
+            out.update({(i, n): t.data_ptr() for n, t in named.items() if t is not None})
+        return out
+
+    before = tensors(cache)
+    decoder = cache.static_decoder
+    schedule = Schedule(cache, 40)
+    token = torch.zeros(ids.shape[0], dtype=torch.long)
+    with torch.inference_mode():
+        for _ in range(40):  # flushes, refreshes and segment evictions included
+            decoder.begin_step()
+            decoder.step(token, schedule.next())
+            schedule.sync()
+    cache.static = None
+    assert tensors(cache) == before
+
+
+def test_capacity_follows_the_trigger():
+    assert static_capacity(Policy.from_preset("fullkv"), 100, 50) == 150
+    assert static_capacity(Policy.from_preset("rkv", budget=64), 100, 500) == 100 + 128 + 16
+    assert static_capacity(Policy.from_preset("rkv", budget=64), 10, 20) == 30
+    assert static_capacity(Policy.from_preset("rpc"), 10, 9000) == 9010  # no bound: the whole length
+
+
+def test_static_path_refuses_what_it_cannot_run(llama):
+    policy = Policy.from_preset("fullkv")
+    _, ids, mask = left_padded([5, 7])
+    with pytest.raises(ValueError, match="fused_attention=False"):
+        fast_generate(llama, policy.make_cache(llama, fused_attention=False), ids, mask, 4)
+    cache = policy.make_cache(llama)
+    cache.observers.append(lambda *a: None)
+    with pytest.raises(ValueError, match="observers"):
+        fast_generate(llama, cache, ids, mask, 4)
+    with pytest.raises(ValueError, match="graphs=True needs"):
+        fast_generate(llama, policy.make_cache(llama), ids, mask, 4, graphs=True)
+    used = policy.make_cache(llama)
+    fast_generate(llama, used, ids, mask, 3)
+    with pytest.raises(ValueError, match="fresh cache"):
+        fast_generate(llama, used, ids, mask, 3)
+
+
+def test_policy_generate_fast_matches_eager_and_refuses_sampling(llama):
+    tok = char_tokenizer()
+    policy = Policy.from_preset("snapkv", budget=32, trigger={"buffer": 8})
+    a = policy.generate(llama, tok, ["abc", "hello world"], max_new_tokens=24, fast=False, do_sample=False)
+    b = policy.generate(llama, tok, ["abc", "hello world"], max_new_tokens=24, fast=True)
+    assert a.sequences == b.sequences
+    assert a.report.evictions == b.report.evictions
+    with pytest.raises(ValueError, match="fast=False"):
+        policy.generate(llama, tok, ["abc"], max_new_tokens=4, fast=True, do_sample=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["fullkv", "nvfp4", "rkv", "thinkv"])
+def test_graph_replay_gives_the_eager_static_tokens(preset):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # head dim 64: the compiled kernel takes every format (>= 16 channels per code position)
+    config = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config).cuda().eval()
+    model.set_attn_implementation("kvcompose")
+    policy = Policy.from_preset(preset, **POLICIES[preset])
+    _, ids, mask = left_padded([20, 13, 31])
+    ids, mask = ids.cuda(), mask.cuda()
+    plain = fast_generate(model, policy.make_cache(model), ids, mask, 60, graphs=False)
+    cache = policy.make_cache(model)
+    graphed = fast_generate(model, cache, ids, mask, 60, graphs=True)
+    assert torch.equal(plain, graphed)
+    assert cache.static_decoder.replays > 0
