@@ -14,6 +14,7 @@ the eager path.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +102,8 @@ class StaticDecoder:
     are not eager replay captured CUDA graphs (each variant runs once eagerly first, which
     compiles its kernels, then is captured)."""
 
-    def __init__(self, model, cache, next_positions: torch.Tensor, columns: int, graphs: bool):
+    def __init__(self, model, cache, next_positions: torch.Tensor, columns: int, graphs: bool,
+                 profile: bool = False):
         self.model = model
         self.cache = cache
         B = next_positions.shape[0]
@@ -114,6 +116,11 @@ class StaticDecoder:
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.eager_steps = 0
         self.replays = 0
+        # profile (CUDA): events around every step by kind, and the host's own time per replayed step
+        self.profile = profile
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._host_s = 0.0
+        self.replay_call_s = 0.0
 
     def _forward(self) -> torch.Tensor:
         out = self.model(input_ids=self.ids, position_ids=self.positions, cache_position=self.cache_position,
@@ -129,9 +136,14 @@ class StaticDecoder:
     def step(self, tokens: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Feed ``tokens`` ``[B]`` through one decode step planned by ``plan`` (after
         :meth:`begin_step`); returns logits ``[B, V]``."""
+        self.replay_call_s = 0.0
+        if self.profile:
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
         self.ids.copy_(tokens[:, None])
         self.cache.static = plan
-        if plan.eager or not self.graphs or plan.flush not in self.warm:
+        replay = not plan.eager and self.graphs and plan.flush in self.warm
+        if not replay:
             if not plan.eager:
                 self.warm.add(plan.flush)
             self.eager_steps += plan.eager
@@ -140,11 +152,35 @@ class StaticDecoder:
             if plan.flush not in self.captured:
                 self.captured[plan.flush] = self._capture()
             graph, logits = self.captured[plan.flush]
+            issued = time.perf_counter()
             graph.replay()
+            self.replay_call_s = time.perf_counter() - issued
             self.replays += 1
         self.positions += 1
         self.cache_position += 1
+        if self.profile:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
+            self._events.append(("replay" if replay else "eager" if plan.eager else "warm-up", began, ended))
         return logits
+
+    def note_host(self, seconds: float) -> None:
+        """Profiling: the host's wall time for one whole step (its replay call is taken out)."""
+        if self.replay_call_s:
+            self._host_s += seconds - self.replay_call_s
+
+    def summary(self) -> dict:
+        """Steps by kind and, when profiling, milliseconds of decode time by kind (eager: the
+        steps where the policy evicts or refreshes) and host milliseconds per replayed step."""
+        out = {"eager_steps": self.eager_steps, "replays": self.replays}
+        if self.profile and self._events:
+            torch.cuda.synchronize()
+            ms: dict[str, float] = {}
+            for kind, began, ended in self._events:
+                ms[kind] = ms.get(kind, 0.0) + began.elapsed_time(ended)
+            out["ms_by_kind"] = ms
+            out["host_ms_per_replay"] = 1e3 * self._host_s / max(self.replays, 1)
+        return out
 
     def _capture(self) -> tuple:
         graph = torch.cuda.CUDAGraph()
@@ -155,7 +191,8 @@ class StaticDecoder:
 
 def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                   max_new_tokens: int = 256, eos_token_id=None, pad_token_id: int | None = None,
-                  graphs: bool | None = None) -> torch.Tensor:
+                  graphs: bool | None = None, profile: bool = False,
+                  reserve_new_tokens: int | None = None) -> torch.Tensor:
     """Greedy decoding on a fresh kvcompose ``cache`` through the static-shape path; returns
     ``[B, prompt + new]`` ids like ``model.generate(..., do_sample=False)``.
 
@@ -163,7 +200,10 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
     ``model.generate(**inputs, past_key_values=cache, do_sample=False)``. ``graphs``: replay
     captured CUDA graphs (default: on CUDA). Rows that produced an EOS continue with
     ``pad_token_id``, and decoding stops when all have (one host synchronization per step,
-    only when ``eos_token_id`` is given)."""
+    only when ``eos_token_id`` is given). ``profile`` (CUDA): time the steps by kind, see
+    :meth:`StaticDecoder.summary` (``cache.static_decoder``). ``reserve_new_tokens``: size the
+    stores for this many new tokens instead of ``max_new_tokens`` (memory measurements of a
+    longer generation from a shorter run)."""
     check_model(model)
     if cache.observers:
         raise ValueError("static decode does not run attention observers; decode eagerly (fast=False) to observe")
@@ -189,12 +229,16 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
         tokens = [token]
         finished = torch.zeros_like(token, dtype=torch.bool) if eos is None else torch.isin(token, eos)
         if max_new_tokens > 1 and not (eos is not None and bool(finished.all())):
-            cache.fix_capacity(static_capacity(cache.policy, input_ids.shape[1], max_new_tokens))
+            reserve = max(max_new_tokens, reserve_new_tokens or 0)
+            cache.fix_capacity(static_capacity(cache.policy, input_ids.shape[1], reserve))
             schedule = Schedule(cache, max_new_tokens - 1)
-            decoder = StaticDecoder(model, cache, positions[:, -1:] + 1, input_ids.shape[1], graphs)
+            decoder = StaticDecoder(model, cache, positions[:, -1:] + 1, input_ids.shape[1], graphs, profile)
             cache.static_decoder = decoder
             try:
                 for _ in range(max_new_tokens - 1):
+                    if profile:  # the host's own time per step, with nothing queued before it
+                        torch.cuda.synchronize()
+                    began = time.perf_counter()
                     decoder.begin_step()
                     plan = schedule.next()
                     token = decoder.step(token, plan).argmax(-1)
@@ -205,6 +249,7 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
                         token = torch.where(finished, pad_token_id, token)
                         finished |= torch.isin(token, eos)
                     tokens.append(token)
+                    decoder.note_host(time.perf_counter() - began)
                     if eos is not None and bool(finished.all()):
                         break
             finally:

@@ -251,9 +251,9 @@ class LayerStore:
         positions = self.column.expand(B, 1).clone()  # not a view: the counter moves on below
         self.buf_k[rows, at] = keys[:, :, 0]
         self.buf_v[rows, at] = values[:, :, 0]
-        new_meta = {"pos": positions[:, 0], "valid": True, "cls": cls}
-        for name, t in self.buf_meta.items():
-            t[rows, at] = new_meta.get(name, 0)
+        new_meta = {"pos": positions[:, 0], "cls": cls}
+        for name, t in self.buf_meta.items():  # tensor values only: a Python scalar would be a host copy
+            t[rows, at] = new_meta[name] if name in new_meta else torch.full_like(t[:, 0], name == "valid")
         self.buf_len += 1
         self.tokens_seen += 1
         self.column += 1

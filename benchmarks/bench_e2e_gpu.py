@@ -1,0 +1,255 @@
+"""End-to-end decode throughput: kvcompose presets against transformers' compiled static cache.
+
+One process, one random Llama-3-8B-shaped model in bf16 (32 layers, 32 query heads, 8 KV
+heads of 128, vocabulary 128,256), the same random prompts for every run, EOS disabled,
+greedy decoding. The baseline runs first: ``model.generate(..., cache_implementation="static")``
+with its compiled decode step (sdpa attention). kvcompose runs through the static-shape
+path with CUDA graphs (:func:`kvcompose.hf.static.fast_generate`).
+
+Scenarios (``--scenarios``):
+
+- ``a``: same batch. B=16, prompt 512, 2,048 new tokens, budget 1,024.
+- ``b``: long reasoning. B=16, prompt 512, 8,192 new tokens, budget 1,024.
+- ``c``: fixed memory. For prompt 512 + 8,192 new tokens, the largest batch whose peak GPU
+  memory (weights included) stays under ``--memory-gib``, from the bytes each row reserves
+  (kvcompose: measured at two small batches, its capacity being reserved at the prefill;
+  the baseline: its static cache per row plus 2 GiB, since it recompiles per batch size),
+  then throughput at that batch over ``--window`` decode steps.
+
+Per run: decode ms/step (wall time of the whole run minus a prefill-only run, over the
+decode steps), tok/s, ``ratio_to_baseline``, peak GPU memory, the policy's KV bytes, the
+share of eager steps (evictions, classifier refreshes) and their share of decode time
+(CUDA events per step), and the host's own milliseconds per replayed step.
+
+    python benchmarks/bench_e2e_gpu.py --smoke                       # tiny model, seconds
+    python benchmarks/bench_e2e_gpu.py --scenarios a --out results/e2e_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from common import environment, format_table, write_json
+
+POLICIES = ["fullkv", "streamingllm", "snapkv", "h2o", "rkv", "rpc", "fp8", "nvfp4", "kivi2", "thinkv", "thinkv-tbq"]
+SCENARIOS = {
+    "a": dict(batch=16, prompt=512, new=2048, budget=1024),
+    "b": dict(batch=16, prompt=512, new=8192, budget=1024),
+    "c": dict(batch=None, prompt=512, new=8192, budget=1024),
+}
+SMOKE = dict(batch=4, prompt=64, new=48, budget=48)
+# ThinKV's shipped calibration belongs to the embedded model; a random model gets stand-in
+# thresholds on its first four layers (speed does not depend on the thought mix).
+THINKV_CLASSIFIER = {"name": "sparsity_kde", "thresholds": [0.5, 0.8], "layers": [0, 1, 2, 3]}
+BUDGETED = {"streamingllm", "snapkv", "h2o", "rkv", "thinkv"}
+
+
+def build_model(smoke: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if smoke:
+        shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=1024)
+    else:
+        shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256)
+    config = LlamaConfig(**shape, max_position_embeddings=16384, torch_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def make_policy(name: str, budget: int, smoke: bool):
+    from kvcompose import Policy
+
+    overrides = {}
+    if name in BUDGETED:
+        overrides["budget"] = budget
+    if name.startswith("thinkv"):
+        overrides["classifier"] = dict(THINKV_CLASSIFIER, layers=[0, 1] if smoke else [0, 1, 2, 3])
+        if smoke:
+            overrides["refresh"] = 16
+    if smoke and name in ("rkv", "snapkv"):
+        overrides["trigger"] = {"buffer": 16}
+    if smoke and name == "rpc":
+        overrides.update(trigger={"period": 32, "ratio": 4, "recent": 8}, protect_recent=8)
+    return Policy.from_preset(name, **overrides)
+
+
+def prompts(model, batch: int, prompt: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, model.config.vocab_size, (batch, prompt), generator=g).cuda()
+    return ids, torch.ones_like(ids)
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+# ------------------------------------------------------------------ the two kinds of run
+def baseline_run(model, batch: int, prompt: int, new: int, cache_len: int | None = None) -> dict:
+    """transformers' static cache + compiled decode step (sdpa)."""
+    model.set_attn_implementation("sdpa")
+    ids, mask = prompts(model, batch, prompt)
+
+    def generate(n):  # a static cache of one size for every call, so the step compiles once
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=cache_len or prompt + new)
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None)
+
+    generate(8)  # compiles the decode step for this batch
+    prefill = timed(lambda: generate(1))
+    torch.cuda.reset_peak_memory_stats()
+    total = timed(lambda: generate(new))
+    kv = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 128 * 2 * batch * (cache_len or prompt + new)
+    return _record(batch, new, total - prefill, torch.cuda.max_memory_allocated(), kv_bytes=kv, allocated=kv)
+
+
+def kvcompose_run(model, policy, batch: int, prompt: int, new: int, reserve: int | None = None) -> dict:
+    from kvcompose.hf.static import fast_generate
+
+    model.set_attn_implementation("kvcompose")
+    ids, mask = prompts(model, batch, prompt)
+    # Compile every kernel this policy uses, eviction and refresh steps included: the same
+    # components with a small budget and short periods, so that each fires within 40 steps.
+    warm = make_policy(policy.name, 64, smoke=True)
+    fast_generate(model, warm.make_cache(model), ids, mask, 40)
+    fast_generate(model, policy.make_cache(model), ids, mask, 4)
+    prefill = timed(lambda: fast_generate(model, policy.make_cache(model), ids, mask, 1))
+    torch.cuda.reset_peak_memory_stats()
+    cache = policy.make_cache(model)
+    total = timed(lambda: fast_generate(model, cache, ids, mask, new, profile=True, reserve_new_tokens=reserve))
+    report = cache.report()
+    summary = cache.static_decoder.summary()
+    ms = summary.get("ms_by_kind", {})
+    steps = new - 1
+    out = _record(batch, new, total - prefill, torch.cuda.max_memory_allocated(), kv_bytes=report.peak_kv_bytes,
+                  allocated=report.allocated_bytes)
+    replay_ms = ms.get("replay", 0.0) / max(summary["replays"], 1)
+    out.update(
+        eager_steps=summary["eager_steps"], replays=summary["replays"],
+        eviction_call_rate=summary["eager_steps"] / steps,
+        # decode time of the eager steps beyond what a replayed step costs: evictions + refreshes
+        eviction_share=max(0.0, ms.get("eager", 0.0) - summary["eager_steps"] * replay_ms) / max(sum(ms.values()), 1e-9),
+        eager_share=ms.get("eager", 0.0) / max(sum(ms.values()), 1e-9),
+        replay_gpu_ms=replay_ms, host_ms_per_replay=summary.get("host_ms_per_replay"),
+        host_share=(summary.get("host_ms_per_replay") or 0.0) / max(replay_ms, 1e-9),
+    )
+    return out
+
+
+def _record(batch, new, decode_s, peak, kv_bytes, allocated) -> dict:
+    ms = 1e3 * decode_s / (new - 1)
+    return {"batch": batch, "new_tokens": new, "ms_per_step": ms, "tok_per_s": batch * 1e3 / ms,
+            "peak_gib": peak / 2**30, "kv_bytes": int(kv_bytes), "kv_allocated_bytes": int(allocated),
+            "decode_s": decode_s}
+
+
+# ------------------------------------------------------------------ scenario c: fixed memory
+def per_row_bytes(run_at) -> tuple[float, float, float]:
+    """(fixed bytes, other bytes per row, KV bytes reserved per row) of peak memory, from two
+    short runs at batch 2 and 4."""
+    peaks, kv = {}, {}
+    for b in (2, 4):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        kv[b] = run_at(b)["kv_allocated_bytes"]
+        peaks[b] = torch.cuda.max_memory_allocated()
+    slope, kv_row = (peaks[4] - peaks[2]) / 2, (kv[4] - kv[2]) / 2
+    return peaks[2] - 2 * slope, slope - kv_row, kv_row
+
+
+def largest_batch(fixed: float, per_row: float, cap_bytes: float, limit: int = 1024) -> int:
+    return max(1, min(limit, math.floor((cap_bytes - fixed) / per_row)))
+
+
+TABLE = ["policy", "scenario", "batch", "new_tokens", "ms_per_step", "tok_per_s", "ratio_to_baseline", "peak_gib",
+         "eviction_call_rate", "eviction_share", "host_share", "error"]
+
+
+def _cell(value):
+    return f"{value:.3g}" if isinstance(value, float) else value
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny model and lengths (checks the script)")
+    ap.add_argument("--scenarios", default="a", help="comma-separated subset of a,b,c")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--new-tokens", type=int, default=None, help="override the scenario's new tokens (recorded)")
+    ap.add_argument("--memory-gib", type=float, default=70.0, help="scenario c: GPU memory cap, weights included")
+    ap.add_argument("--window", type=int, default=1536, help="scenario c: decode steps timed at the found batch")
+    ap.add_argument("--out", default=None, help="JSON file; records are merged by (policy, scenario)")
+    args = ap.parse_args(argv)
+    model = build_model(args.smoke)
+    names = [p for p in args.policies.split(",") if p]
+    records = []
+    for scenario in args.scenarios.split(","):
+        shape = dict(SMOKE) if args.smoke else dict(SCENARIOS[scenario])
+        if args.new_tokens:
+            shape["new"] = args.new_tokens
+        rows = run_scenario(model, scenario, shape, names, args)
+        records += rows
+        print(format_table(TABLE, [[_cell(r.get(c)) for c in TABLE] for r in rows]), flush=True)
+    if args.out:
+        path = Path(args.out)
+        old = json.loads(path.read_text())["records"] if path.exists() else []
+        keep = [r for r in old if (r["policy"], r["scenario"]) not in {(n["policy"], n["scenario"]) for n in records}]
+        write_json(path, {"environment": environment(), "model": "random Llama-3-8B shapes, bf16",
+                          "records": keep + records})
+    return 0
+
+
+def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> list[dict]:
+    prompt, new, budget = shape["prompt"], shape["new"], shape["budget"]
+    total_new = new
+    rows = []
+    if scenario == "c" and not args.smoke:
+        # The baseline recompiles per batch size, so its rows are counted, not measured: the
+        # static cache's bytes per row, the weights, and 2 GiB for activations and workspace.
+        kv_row = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 128 * 2 * (prompt + total_new)
+        batch = largest_batch(torch.cuda.memory_allocated() + 2 * 2**30, kv_row, args.memory_gib * 2**30)
+        base = baseline_run(model, batch, prompt, args.window, cache_len=prompt + total_new)
+    else:
+        batch = shape["batch"]
+        base = baseline_run(model, batch, prompt, new)
+    base.update(policy="transformers-static", scenario=scenario, ratio_to_baseline=1.0)
+    rows.append(base)
+    print(json.dumps(base), flush=True)
+    for name in names:
+        policy = make_policy(name, budget, args.smoke)
+        try:
+            if scenario == "c" and not args.smoke:
+                fixed, other, kv_row = per_row_bytes(lambda b: kvcompose_run(model, policy, b, prompt, 2, total_new))
+                b = largest_batch(fixed, other + kv_row, args.memory_gib * 2**30)
+                row = kvcompose_run(model, policy, b, prompt, args.window, total_new)
+            else:
+                row = kvcompose_run(model, policy, batch, prompt, new)
+        except Exception as exc:  # record what failed instead of losing the other runs
+            row = {"batch": batch, "new_tokens": new, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        row.update(policy=name, scenario=scenario)
+        if "tok_per_s" in row:
+            row["ratio_to_baseline"] = row["tok_per_s"] / base["tok_per_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
