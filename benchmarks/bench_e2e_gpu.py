@@ -105,14 +105,18 @@ def baseline_run(model, batch: int, prompt: int, new: int, cache_len: int | None
     model.set_attn_implementation("sdpa")
     ids, mask = prompts(model, batch, prompt)
 
-    def generate(n):  # a static cache of one size for every call, so the step compiles once
-        from transformers import StaticCache
+    from transformers import StaticCache
 
-        cache = StaticCache(config=model.config, max_cache_len=cache_len or prompt + new)
+    # One static cache object for every call (reset in between): a new one per call would make
+    # the compiled step recompile inside the timed run.
+    cache = StaticCache(config=model.config, max_cache_len=cache_len or prompt + new)
+
+    def generate(n):
+        cache.reset()
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None)
 
-    generate(8)  # compiles the decode step for this batch
+    generate(16)  # compiles the decode step for this batch and cache size
     prefill = timed(lambda: generate(1))
     torch.cuda.reset_peak_memory_stats()
     total = timed(lambda: generate(new))
