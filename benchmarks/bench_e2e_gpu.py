@@ -30,12 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
 
-from common import environment, format_table, write_json
+from common import environment, format_table, llama_model, write_json
 
 POLICIES = ["fullkv", "streamingllm", "snapkv", "h2o", "rkv", "rpc", "fp8", "nvfp4", "kivi2", "thinkv", "thinkv-tbq"]
 SCENARIOS = {
@@ -51,18 +50,7 @@ BUDGETED = {"streamingllm", "snapkv", "h2o", "rkv", "thinkv"}
 
 
 def build_model(smoke: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if smoke:
-        shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=1024)
-    else:
-        shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256)
-    config = LlamaConfig(**shape, max_position_embeddings=16384, torch_dtype=torch.bfloat16)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = llama_model(smoke, "cuda", dtype=torch.bfloat16)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -70,98 +58,33 @@ def build_model(smoke: bool):
 
 def make_policy(name: str, budget: int, smoke: bool):
     from kvcompose import Policy
+    from kvcompose.speed import warm_up_policy
 
     overrides = {}
     if name in BUDGETED:
         overrides["budget"] = budget
     if name.startswith("thinkv"):
         overrides["classifier"] = dict(THINKV_CLASSIFIER, layers=[0, 1] if smoke else [0, 1, 2, 3])
-        if smoke:
-            overrides["refresh"] = 16
-    if smoke and name in ("rkv", "snapkv"):
-        overrides["trigger"] = {"buffer": 16}
-    if smoke and name == "rpc":
-        overrides.update(trigger={"period": 32, "ratio": 4, "recent": 8}, protect_recent=8)
-    return Policy.from_preset(name, **overrides)
+    policy = Policy.from_preset(name, **overrides)
+    return warm_up_policy(policy, budget) if smoke else policy  # smoke: short periods, every step kind
 
 
 def prompts(model, batch: int, prompt: int):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, model.config.vocab_size, (batch, prompt), generator=g).cuda()
-    return ids, torch.ones_like(ids)
+    from kvcompose.speed import random_prompts
+
+    return random_prompts(model.config.vocab_size, batch, prompt, "cuda")
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-# ------------------------------------------------------------------ the two kinds of run
 def baseline_run(model, batch: int, prompt: int, new: int, cache_len: int | None = None) -> dict:
-    """transformers' static cache + compiled decode step (sdpa)."""
-    model.set_attn_implementation("sdpa")
-    ids, mask = prompts(model, batch, prompt)
+    from kvcompose.speed import time_transformers_static
 
-    from transformers import StaticCache
-
-    # One static cache object for every call (reset in between): a new one per call would make
-    # the compiled step recompile inside the timed run.
-    cache = StaticCache(config=model.config, max_cache_len=cache_len or prompt + new)
-
-    def generate(n):
-        cache.reset()
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None)
-
-    generate(16)  # compiles the decode step for this batch and cache size
-    prefill = timed(lambda: generate(1))
-    torch.cuda.reset_peak_memory_stats()
-    total = timed(lambda: generate(new))
-    kv = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 128 * 2 * batch * (cache_len or prompt + new)
-    return _record(batch, new, total - prefill, torch.cuda.max_memory_allocated(), kv_bytes=kv, allocated=kv)
+    return time_transformers_static(model, *prompts(model, batch, prompt), new, cache_len)
 
 
 def kvcompose_run(model, policy, batch: int, prompt: int, new: int, reserve: int | None = None) -> dict:
-    from kvcompose.hf.static import fast_generate
+    from kvcompose.speed import time_policy
 
-    model.set_attn_implementation("kvcompose")
-    ids, mask = prompts(model, batch, prompt)
-    # Compile every kernel this policy uses, eviction and refresh steps included: the same
-    # components with a small budget and short periods, so that each fires within 40 steps.
-    warm = make_policy(policy.name, 64, smoke=True)
-    fast_generate(model, warm.make_cache(model), ids, mask, 40)
-    fast_generate(model, policy.make_cache(model), ids, mask, 4)
-    prefill = timed(lambda: fast_generate(model, policy.make_cache(model), ids, mask, 1))
-    torch.cuda.reset_peak_memory_stats()
-    cache = policy.make_cache(model)
-    total = timed(lambda: fast_generate(model, cache, ids, mask, new, profile=True, reserve_new_tokens=reserve))
-    report = cache.report()
-    summary = cache.static_decoder.summary()
-    ms = summary.get("ms_by_kind", {})
-    steps = new - 1
-    out = _record(batch, new, total - prefill, torch.cuda.max_memory_allocated(), kv_bytes=report.peak_kv_bytes,
-                  allocated=report.allocated_bytes)
-    replay_ms = ms.get("replay", 0.0) / max(summary["replays"], 1)
-    out.update(
-        eager_steps=summary["eager_steps"], replays=summary["replays"],
-        eviction_call_rate=summary["eager_steps"] / steps,
-        # decode time of the eager steps beyond what a replayed step costs: evictions + refreshes
-        eviction_share=max(0.0, ms.get("eager", 0.0) - summary["eager_steps"] * replay_ms) / max(sum(ms.values()), 1e-9),
-        eager_share=ms.get("eager", 0.0) / max(sum(ms.values()), 1e-9),
-        replay_gpu_ms=replay_ms, host_ms_per_replay=summary.get("host_ms_per_replay"),
-        host_share=(summary.get("host_ms_per_replay") or 0.0) / max(replay_ms, 1e-9),
-    )
-    return out
-
-
-def _record(batch, new, decode_s, peak, kv_bytes, allocated) -> dict:
-    ms = 1e3 * decode_s / (new - 1)
-    return {"batch": batch, "new_tokens": new, "ms_per_step": ms, "tok_per_s": batch * 1e3 / ms,
-            "peak_gib": peak / 2**30, "kv_bytes": int(kv_bytes), "kv_allocated_bytes": int(allocated),
-            "decode_s": decode_s}
+    return time_policy(model, policy, *prompts(model, batch, prompt), new, reserve)
 
 
 # ------------------------------------------------------------------ scenario c: fixed memory
@@ -197,7 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--new-tokens", type=int, default=None, help="override the scenario's new tokens (recorded)")
     ap.add_argument("--memory-gib", type=float, default=70.0, help="scenario c: GPU memory cap, weights included")
-    ap.add_argument("--window", type=int, default=1536, help="scenario c: decode steps timed at the found batch")
+    ap.add_argument("--window", type=int, default=1536,
+                    help="decode steps timed for the baseline in b and c, and for kvcompose in c")
     ap.add_argument("--out", default=None, help="JSON file; records are merged by (policy, scenario)")
     args = ap.parse_args(argv)
     model = build_model(args.smoke)
@@ -231,7 +155,8 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> l
         base = baseline_run(model, batch, prompt, args.window, cache_len=prompt + total_new)
     else:
         batch = shape["batch"]
-        base = baseline_run(model, batch, prompt, new)
+        steps = new if scenario == "a" or args.smoke else min(new, args.window)
+        base = baseline_run(model, batch, prompt, steps, cache_len=prompt + new)
     base.update(policy="transformers-static", scenario=scenario, ratio_to_baseline=1.0)
     rows.append(base)
     print(json.dumps(base), flush=True)

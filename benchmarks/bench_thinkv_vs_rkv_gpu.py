@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from common import environment, format_table, write_json
+from common import environment, format_table, llama_model, write_json
 
 POLICIES = {
     "rkv": dict(name="rkv", overrides={"budget": 1024}),
@@ -27,22 +27,6 @@ POLICIES = {
         "classifier": {"name": "sparsity_kde", "thresholds": [0.5, 0.8], "layers": [0, 1, 2, 3]},
     }),
 }
-
-
-def build_model(smoke: bool, device: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if smoke:
-        cfg = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=512)
-    else:
-        cfg = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                   num_key_value_heads=8, vocab_size=128256)
-    config = LlamaConfig(**cfg, max_position_embeddings=8192, attn_implementation="kvcompose")
-    dtype = torch.float32 if smoke else torch.bfloat16
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
-    return model
 
 
 def run(model, policy, batch: int, prompt: int, new: int, device: str) -> dict:
@@ -84,7 +68,7 @@ def main() -> None:
 
     device = "cpu" if args.smoke else "cuda"
     batch, prompt, new = (2, 32, 80) if args.smoke else (args.batch, args.prompt, args.new_tokens)
-    model = build_model(args.smoke, device)
+    model = llama_model(args.smoke, device, max_positions=8192)
     results = {}
     for key, spec in POLICIES.items():
         overrides = dict(spec["overrides"])

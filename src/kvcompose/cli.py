@@ -1,5 +1,5 @@
 """The ``kvcompose`` command line: list presets and components, generate with a preset, compare presets,
-calibrate the sparsity classifier."""
+calibrate the sparsity classifier, time decoding against transformers' static cache."""
 
 from __future__ import annotations
 
@@ -131,6 +131,43 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
+BENCH_FIELDS = ["ms_per_step", "tok_per_s", "ratio_to_baseline", "peak_gib", "eviction_call_rate", "eviction_share"]
+
+
+def _cmd_bench(args) -> int:
+    import torch
+
+    from . import Policy, models, speed
+
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    policies = [Policy.from_preset(n, **({"budget": args.budget} if args.budget else {})) for n in presets]
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        print("kvcompose: no CUDA device: decoding runs without CUDA graphs and the baseline is not compiled; "
+              "these numbers say nothing about GPU serving", file=sys.stderr)
+    print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
+    model, _ = models.load(args.model, dtype=torch.bfloat16 if cuda else torch.float32,
+                           device="cuda" if cuda else None)
+    model.generation_config.eos_token_id = None
+    ids, mask = speed.random_prompts(model.config.get_text_config().vocab_size, args.batch, args.prompt,
+                                     model.device)
+    base = speed.time_transformers_static(model, ids, mask, args.new_tokens)
+    rows = [dict(base, preset="transformers-static", ratio_to_baseline=1.0)]
+    for name, policy in zip(presets, policies):
+        row = speed.time_policy(model, policy, ids, mask, args.new_tokens)
+        rows.append(dict(row, preset=name, ratio_to_baseline=row["tok_per_s"] / base["tok_per_s"]))
+    width = max(len(r["preset"]) for r in rows)
+    print(f"{'preset':<{width}}  " + "  ".join(f"{f:>18}" for f in BENCH_FIELDS))
+    for r in rows:
+        cells = ["" if r.get(f) is None else f"{r[f]:.4g}" for f in BENCH_FIELDS]
+        print(f"{r['preset']:<{width}}  " + "  ".join(f"{c:>18}" for c in cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "runs": rows}, f,
+                      indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcompose", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -199,6 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", required=True, help="calibration JSON to write")
     k.add_argument("--quiet", action="store_true", help="no progress bar")
     k.set_defaults(func=_cmd_calibrate)
+
+    b = sub.add_parser(
+        "bench", help="decode throughput of presets against transformers' compiled static cache, on your model",
+        description="Greedy decoding of the same random prompts (EOS disabled): transformers' static cache with its "
+                    "compiled step first, then each preset through kvcompose's static-shape path (CUDA graphs). "
+                    "Prints ms/step, tok/s, the ratio to the baseline, peak GPU memory and the eviction steps' share.",
+    )
+    b.add_argument("--model", default=None, help="HF model directory/id or .gguf file (default: embedded SmolLM2)")
+    b.add_argument("--presets", default="fullkv,nvfp4,rkv,thinkv", help="comma-separated presets")
+    b.add_argument("--budget", type=int, default=None, help="token budget for the budgeted presets")
+    b.add_argument("--batch", type=int, default=16)
+    b.add_argument("--prompt", type=int, default=512, help="prompt tokens per row")
+    b.add_argument("--new-tokens", type=int, default=1024)
+    b.add_argument("--json", default=None, help="also write every run's fields to this JSON file")
+    b.set_defaults(func=_cmd_bench)
     return parser
 
 

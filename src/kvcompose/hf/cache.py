@@ -58,7 +58,7 @@ class KVComposeLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif self.layer_idx == 0 and self.cache.static is None:
+        elif self.layer_idx == 0 and self.cache.step_plan is None:
             self.cache.check_errors()  # once per forward pass: what the previous one's encodes recorded
         setattr(key_states, LAYER_ATTR, self)
         self._pending = True
@@ -113,11 +113,11 @@ class KVComposeLayer(CacheLayerMixin):
         policy = self.cache.policy
         store = self.store
         thoughts = self.cache.thoughts
-        static = self.cache.static
-        if static is not None:  # a decode step of the static-shape path (see kvcompose.hf.static)
+        plan = self.cache.step_plan
+        if plan is not None:  # a decode step of the static-shape path (see kvcompose.hf.static)
             if real is not None or query.shape[2] != 1:
                 raise ValueError("static decode appends one real token per row and takes no attention mask")
-            positions = store.append_step(key, value, thoughts.step_classes(self.layer_idx), static.flush)
+            positions = store.append_step(key, value, thoughts.step_classes(self.layer_idx), plan.flush)
         else:
             cls = thoughts.classes_for(self.layer_idx, key.shape[0], key.shape[2], real, key.device)
             positions = store.append(key, value, real, cls)
@@ -132,7 +132,7 @@ class KVComposeLayer(CacheLayerMixin):
                 out = self._paged_attention(query, positions, scaling)
             else:
                 out = self._attention(query, view, positions, scaling)
-        if static is not None and not static.eager:
+        if plan is not None and not plan.eager:
             return out.transpose(1, 2).contiguous()  # the schedule says nothing else happens this step
         if view is None and thoughts.needs_view(self.layer_idx, store):
             view = store.view()
@@ -194,7 +194,7 @@ class KVComposeLayer(CacheLayerMixin):
         In static mode they live in a fixed ring, shifted in place."""
         if window <= 0:
             return
-        if self.cache.static is not None:
+        if self.cache.step_plan is not None:
             self.queries.copy_(torch.cat([self.queries[:, :, 1:], query], dim=2))
             self.query_positions.copy_(torch.cat([self.query_positions[:, 1:], positions], dim=1))
             return
@@ -252,7 +252,7 @@ class KVComposeCache(Cache):
     def _start(self) -> None:
         self.thoughts = ThoughtTracker(self.policy, len(self.layers))
         # Static decode (kvcompose.hf.static) sets this to the current step's StepPlan.
-        self.static = None
+        self.step_plan = None
         self.static_decoder = None  # the StaticDecoder of that path, for its counts of eager steps and replays
         self._in_use = [0] * len(self.layers)
         self._peak = 0

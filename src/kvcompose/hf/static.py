@@ -141,7 +141,7 @@ class StaticDecoder:
             began = torch.cuda.Event(enable_timing=True)
             began.record()
         self.ids.copy_(tokens[:, None])
-        self.cache.static = plan
+        self.cache.step_plan = plan
         replay = not plan.eager and self.graphs and plan.flush in self.warm
         if not replay:
             if not plan.eager:
@@ -204,6 +204,33 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
     :meth:`StaticDecoder.summary` (``cache.static_decoder``). ``reserve_new_tokens``: size the
     stores for this many new tokens instead of ``max_new_tokens`` (memory measurements of a
     longer generation from a shorter run)."""
+    _check_can_run(model, cache, input_ids, max_new_tokens, graphs)
+    graphs = input_ids.is_cuda if graphs is None else graphs
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as model.generate computes them
+    eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=input_ids.device).reshape(-1)
+    if eos is not None and pad_token_id is None:
+        raise ValueError("pad_token_id is needed with eos_token_id (rows that finished continue with it)")
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        tokens = [out.logits[:, -1].argmax(-1)]
+        cache.check_errors()
+        finished = None if eos is None else torch.isin(tokens[0], eos)
+        if max_new_tokens > 1 and not (finished is not None and bool(finished.all())):
+            reserve = max(max_new_tokens, reserve_new_tokens or 0)
+            cache.fix_capacity(static_capacity(cache.policy, input_ids.shape[1], reserve))
+            decoder = StaticDecoder(model, cache, positions[:, -1:] + 1, input_ids.shape[1], graphs, profile)
+            cache.static_decoder = decoder
+            try:
+                _decode(decoder, Schedule(cache, max_new_tokens - 1), tokens, finished, eos, pad_token_id)
+            finally:
+                cache.step_plan = None
+        cache.check_errors()
+    return torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
+
+
+def _check_can_run(model, cache, input_ids, max_new_tokens: int, graphs: bool | None) -> None:
     check_model(model)
     if cache.observers:
         raise ValueError("static decode does not run attention observers; decode eagerly (fast=False) to observe")
@@ -213,46 +240,29 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
         raise ValueError("static decode needs a fresh cache (policy.make_cache(model), or cache.reset())")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    graphs = input_ids.is_cuda if graphs is None else graphs
     if graphs and not input_ids.is_cuda:
         raise ValueError("graphs=True needs the model and inputs on a CUDA device")
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=input_ids.device).reshape(-1)
-    if eos is not None and pad_token_id is None:
-        raise ValueError("pad_token_id is needed with eos_token_id (rows that finished continue with it)")
-    with torch.inference_mode():
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1].argmax(-1)
-        cache.check_errors()
-        tokens = [token]
-        finished = torch.zeros_like(token, dtype=torch.bool) if eos is None else torch.isin(token, eos)
-        if max_new_tokens > 1 and not (eos is not None and bool(finished.all())):
-            reserve = max(max_new_tokens, reserve_new_tokens or 0)
-            cache.fix_capacity(static_capacity(cache.policy, input_ids.shape[1], reserve))
-            schedule = Schedule(cache, max_new_tokens - 1)
-            decoder = StaticDecoder(model, cache, positions[:, -1:] + 1, input_ids.shape[1], graphs, profile)
-            cache.static_decoder = decoder
-            try:
-                for _ in range(max_new_tokens - 1):
-                    if profile:  # the host's own time per step, with nothing queued before it
-                        torch.cuda.synchronize()
-                    began = time.perf_counter()
-                    decoder.begin_step()
-                    plan = schedule.next()
-                    token = decoder.step(token, plan).argmax(-1)
-                    if plan.eager:
-                        cache.check_errors()
-                        schedule.sync()
-                    if eos is not None:
-                        token = torch.where(finished, pad_token_id, token)
-                        finished |= torch.isin(token, eos)
-                    tokens.append(token)
-                    decoder.note_host(time.perf_counter() - began)
-                    if eos is not None and bool(finished.all()):
-                        break
-            finally:
-                cache.static = None
-        cache.check_errors()
-    return torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
+
+
+def _decode(decoder: StaticDecoder, schedule: Schedule, tokens: list, finished, eos, pad_token_id) -> None:
+    """The decode loop: plan, step, pick the greedy token; appends to ``tokens``. Synchronizes
+    only at eager steps (to read errors and counts) and, with ``eos``, to stop when all rows finished."""
+    cache = decoder.cache
+    token = tokens[-1]
+    for _ in range(schedule.remaining):
+        if decoder.profile:  # the host's own time per step, with nothing queued before it
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        decoder.begin_step()
+        plan = schedule.next()
+        token = decoder.step(token, plan).argmax(-1)
+        if plan.eager:
+            cache.check_errors()
+            schedule.sync()
+        if eos is not None:
+            token = torch.where(finished, pad_token_id, token)
+            finished |= torch.isin(token, eos)
+        tokens.append(token)
+        decoder.note_host(time.perf_counter() - began)
+        if eos is not None and bool(finished.all()):
+            return
