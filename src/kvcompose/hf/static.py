@@ -184,8 +184,14 @@ class StaticDecoder:
 
     def _capture(self) -> tuple:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"could not capture a CUDA graph of {type(self.model).__name__}'s decode step ({exc}); decode with "
+                "fast_generate(..., graphs=False) (static shapes, no graphs) or policy.generate(..., fast=False)"
+            ) from exc
         return graph, logits
 
 
@@ -235,7 +241,8 @@ def _check_can_run(model, cache, input_ids, max_new_tokens: int, graphs: bool | 
     if cache.observers:
         raise ValueError("static decode does not run attention observers; decode eagerly (fast=False) to observe")
     if not cache.fused_attention:
-        raise ValueError("static decode attends through the fused paged kernel; this cache has fused_attention=False")
+        raise ValueError("static decode attends through the fused paged kernel; this cache has fused_attention=False "
+                         "(decode it with model.generate, or policy.generate(..., fast=False))")
     if cache.layers[0].store is not None:
         raise ValueError("static decode needs a fresh cache (policy.make_cache(model), or cache.reset())")
     if max_new_tokens < 1:
