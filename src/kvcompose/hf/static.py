@@ -185,7 +185,7 @@ class StaticDecoder:
     def _capture(self) -> tuple:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with self.cache.thoughts.timer.paused(), torch.cuda.graph(graph, pool=self.pool):
                 logits = self._forward()
         except RuntimeError as exc:
             raise RuntimeError(

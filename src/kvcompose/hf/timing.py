@@ -22,6 +22,15 @@ class PhaseTimer:
         self.seconds = {} if enabled else None
 
     @contextmanager
+    def paused(self):
+        """No timing inside (a CUDA graph capture must not synchronize); the totals are kept."""
+        seconds, self.seconds = self.seconds, None
+        try:
+            yield
+        finally:
+            self.seconds = seconds
+
+    @contextmanager
     def phase(self, name: str):
         if self.seconds is None:
             yield
