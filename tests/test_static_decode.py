@@ -46,7 +46,13 @@ def test_static_path_gives_the_eager_tokens_evictions_and_memory(llama, preset):
     assert torch.equal(expected, got)
     a, b = eager.report(), static.report()
     assert a.evictions == b.evictions
-    assert _payload(eager) == _payload(static)
+    assert a.eviction_call_rate == b.eviction_call_rate
+    if policy.evicts_in_place:  # no compaction: evicted slots stay allocated as holes until refilled
+        pool = static.layers[0].store.regions[0].pool
+        holes = len(static.layers) * ids.shape[0] * 2 * pool.payload_bytes_per_block
+        assert _payload(eager) <= _payload(static) <= _payload(eager) + holes
+    else:
+        assert _payload(eager) == _payload(static)
     for x, y in zip(eager.layers, static.layers):  # the same tokens kept, at the same positions
         vx, vy = x.store.view(), y.store.view()
         for r in range(ids.shape[0]):
@@ -66,9 +72,10 @@ def test_schedule_predicts_exactly_the_steps_whose_trigger_fires(llama):
     assert eager.thoughts.report()["eviction_steps"] > 1
 
 
-def test_static_step_keeps_every_state_tensor_in_place(llama):
+@pytest.mark.parametrize("preset", ["thinkv", "h2o"])
+def test_static_step_keeps_every_state_tensor_in_place(llama, preset):
     """What a captured CUDA graph needs: a step writes into the tensors it read, never new ones."""
-    policy = Policy.from_preset("thinkv", budget=48, refresh=16)
+    policy = Policy.from_preset(preset, **POLICIES[preset])
     _, ids, mask = left_padded([20, 13, 31])
     cache = policy.make_cache(llama)
     fast_generate(llama, cache, ids, mask, 2)  # prefill + one step: static mode entered
@@ -135,7 +142,7 @@ def test_policy_generate_fast_matches_eager_and_refuses_sampling(llama):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["fullkv", "nvfp4", "rkv", "thinkv"])
+@pytest.mark.parametrize("preset", ["fullkv", "nvfp4", "rkv", "thinkv", "streamingllm", "h2o"])
 def test_graph_replay_gives_the_eager_static_tokens(preset):
     from transformers import LlamaConfig, LlamaForCausalLM
 

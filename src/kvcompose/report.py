@@ -62,7 +62,7 @@ class Report:
             buffer_bytes=total("buffer"),
             tokens_seen=layers[0].tokens_seen.tolist(),
             tokens_kept=[s.live_tokens().tolist() for s in layers],
-            evictions=sum(s.evictions for s in layers),
+            evictions=sum(s.evictions + int(s.evictions_on_device) for s in layers),
             per_layer_bytes=[m["in_use"] for m in mems],
             avg_bits=live_bits / live if live else 0.0,
             **cache.thoughts.report(),

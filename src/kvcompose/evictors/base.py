@@ -37,15 +37,16 @@ class EvictionContext:
     segment: int = 0  # tokens per thought segment (the policy's refresh period), 0 if unused
 
 
-def keep_top(scores: torch.Tensor, ctx: EvictionContext) -> torch.Tensor:
+def keep_top(scores: torch.Tensor, ctx: EvictionContext, check: bool = True) -> torch.Tensor:
     """Keep the ``ctx.keep[b]`` highest-scoring live tokens of each row; protected tokens first.
 
     Ties break toward the more recent token. Returns a ``[B, L]`` bool mask that
-    is a subset of ``ctx.valid``.
+    is a subset of ``ctx.valid``. ``check=False`` skips the NaN/inf test of the scores
+    (a host synchronization; static decode runs without it).
     """
     if scores.shape != ctx.valid.shape:
         raise ValueError(f"scores have shape {tuple(scores.shape)}, expected {tuple(ctx.valid.shape)}")
-    if not torch.isfinite(scores[ctx.valid]).all():
+    if check and not torch.isfinite(scores[ctx.valid]).all():
         raise ValueError("evictor produced NaN/inf scores for live tokens")
     s = torch.where(ctx.protected & ctx.valid, torch.full_like(scores, float("inf")), scores)
     s = torch.where(ctx.valid, s, torch.full_like(s, float("-inf")))
@@ -74,6 +75,9 @@ class Evictor:
     needs_probs: bool = False
     #: Names of the per-slot float channels the store must keep for this evictor.
     slot_channels: tuple[str, ...] = ()
+    #: Whether :meth:`scores` reads keys or queries (False: positions and slot channels only,
+    #: which static decode can evict from inside a captured step).
+    reads_keys: bool = True
 
     def scores(self, ctx: EvictionContext) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError

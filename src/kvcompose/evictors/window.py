@@ -15,5 +15,7 @@ from .base import EvictionContext, Evictor
 class WindowEvictor(Evictor):
     """Keep the most recent tokens; combined with protected sinks this is StreamingLLM."""
 
+    reads_keys = False
+
     def scores(self, ctx: EvictionContext) -> torch.Tensor:
         return ctx.positions.to(torch.float32)

@@ -132,6 +132,8 @@ class KVComposeLayer(CacheLayerMixin):
                 out = self._paged_attention(query, positions, scaling)
             else:
                 out = self._attention(query, view, positions, scaling)
+        if plan is not None and policy.evicts_in_place:
+            policy.compress_in_place(self)
         if plan is not None and not plan.eager:
             return out.transpose(1, 2).contiguous()  # the schedule says nothing else happens this step
         if view is None and thoughts.needs_view(self.layer_idx, store):
@@ -140,7 +142,8 @@ class KVComposeLayer(CacheLayerMixin):
         for observer in self.cache.observers:
             observer(self.layer_idx, query, view, positions, scaling)
         with thoughts.timer.phase("eviction"):
-            evicted = policy.compress(self, view)
+            in_place = plan is not None and policy.evicts_in_place  # done above
+            evicted = not in_place and policy.compress(self, view)
         if evicted:
             thoughts.note_eviction()
             self.cache._note_memory(self.layer_idx)

@@ -71,8 +71,8 @@ class Schedule:
 
     def _next_firing(self) -> int | None:
         """Steps after this sync until the trigger fires in some layer and row (None: not within the run)."""
-        if self.policy.evictor is None:
-            return None
+        if self.policy.evictor is None or self.policy.evicts_in_place:
+            return None  # nothing to evict, or evicted inside every step
         counts = [s.counts() for s in self.stores]
         stored = torch.stack([c[0] for c in counts]).cpu()
         prompt = torch.stack([c[1] for c in counts]).cpu()

@@ -34,6 +34,9 @@ class ThoughtTracker:
         self.forwards = 0
         self.evicting_steps = 0
         self._evicted_this_step = False
+        # Evictions decided inside a captured step (static decode, in-place policies): on the device.
+        self.evicted_now: torch.Tensor | None = None  # 0-d bool
+        self.evicting_steps_device: torch.Tensor | None = None  # 0-d int64
         self.timer = PhaseTimer()  # seconds per phase, when timing is on
 
     # ------------------------------------------------------------- per step
@@ -64,7 +67,17 @@ class ThoughtTracker:
         """Static decode: the class of each row's one new token ``[B]`` (counted at layer 0, on the device)."""
         if layer_idx == 0:
             self.class_tokens.index_add_(0, self.current, torch.ones_like(self.current))
+            if self.evicted_now is not None:
+                self.evicting_steps_device += self.evicted_now
+                self.evicted_now.zero_()
         return self.current
+
+    def note_eviction_on_device(self, fired: torch.Tensor) -> None:
+        """An in-place eviction inside a static step: ``fired`` (0-d bool) counts the step as evicting."""
+        if self.evicted_now is None:
+            self.evicted_now = torch.zeros((), dtype=torch.bool, device=fired.device)
+            self.evicting_steps_device = torch.zeros((), dtype=torch.long, device=fired.device)
+        self.evicted_now |= fired
 
     def is_refresh_step(self, store) -> bool:
         """True in the prefill forward and whenever a segment of generated tokens completes."""
@@ -118,6 +131,8 @@ class ThoughtTracker:
                for c, n in zip(self.policy.classes, (self.class_tokens.tolist() if total else []))}
         steps = self.forwards
         evicting = self.evicting_steps + (1 if self._evicted_this_step else 0)
+        if self.evicted_now is not None:
+            evicting += int(self.evicting_steps_device) + int(self.evicted_now)
         return {
             "thought_mix": mix,
             "refreshes": self.refreshes,

@@ -108,6 +108,7 @@ class LayerStore:
         self.tokens_seen = torch.zeros(B, dtype=torch.long, device=device)
         self.prompt_tokens = torch.zeros(B, dtype=torch.long, device=device)
         self.evictions = 0
+        self.evictions_on_device = torch.zeros((), dtype=torch.long, device=device)  # static decode's in-place ones
         # Non-zero once a real token's key or value was NaN/inf; read by check_errors (no sync here).
         self.nonfinite = torch.zeros(1, dtype=torch.int32, device=device)
         self.static = False  # see fix_capacity
@@ -326,10 +327,11 @@ class LayerStore:
         """The layer's tokens where they lie, for :func:`~kvcompose.ops.paged_decode_attention`:
         one source per pool (the block tables of the regions sharing it side by side), then
         the recent buffer. Nothing is copied or decoded; no host synchronization."""
-        return [source for source, _ in self._sources()]
+        return [source for source, _, _ in self._sources()]
 
-    def _sources(self) -> list[tuple[PagedSource, dict]]:
-        """``(source, its flat per-slot metadata channels)`` in :meth:`attention_sources` order."""
+    def _sources(self) -> list[tuple[PagedSource, dict, BlockPool | None]]:
+        """``(source, its flat per-slot metadata channels, its pool or None for the buffer)``
+        in :meth:`attention_sources` order."""
         out = []
         for name, pool in self.pools.items():
             table = torch.cat([r.table for r in self.regions if r.pool is pool], dim=1)
@@ -337,7 +339,7 @@ class LayerStore:
                 continue
             meta = pool.flat_slots(pool.meta)
             k, v = pool.codec.kv_operands(pool.flat_slots(pool.slots), pool.flat_groups(), self.row_scales[name])
-            out.append((PagedSource(k, v, table, pool.block_size, meta["valid"]), meta))
+            out.append((PagedSource(k, v, table, pool.block_size, meta["valid"]), meta, pool))
         B, cap = self.buf_k.shape[:2]
         if cap:
             flat = (B * cap, self.num_kv_heads, self.head_dim)
@@ -345,13 +347,56 @@ class LayerStore:
             meta = {n: t.view(-1) for n, t in self.buf_meta.items()}
             source = PagedSource(KVOperand("dense", self.buf_k.view(flat)), KVOperand("dense", self.buf_v.view(flat)),
                                  rows, cap, meta["valid"])
-            out.append((source, meta))
+            out.append((source, meta, None))
         return out
+
+    def slot_state(self, channels: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Positions (-1 where empty), live bits and float channels of every slot column, in
+        :meth:`attention_sources` order (``[B, L]`` each): what an evictor that reads no keys
+        needs, with fixed shapes."""
+        pos, valid, state = [], [], {c: [] for c in channels}
+        for source, meta, _ in self._sources():
+            slots = source.slots()
+            flat = slots.clamp(min=0)
+            live = (slots >= 0) & meta["valid"][flat]
+            pos.append(torch.where(live, meta["pos"][flat], -1))
+            valid.append(live)
+            for c in channels:
+                state[c].append(torch.where(live, meta[c][flat], 0.0))
+        return torch.cat(pos, 1), torch.cat(valid, 1), {c: torch.cat(t, 1) for c, t in state.items()}
+
+    def evict_in_place(self, evicted: torch.Tensor) -> None:
+        """Static mode: drop the ``evicted`` columns of :meth:`slot_state` with fixed shapes.
+        Block slots become holes that later groups of the same region refill first (so a
+        sliding window turns into a ring); the buffer's survivors move to its front."""
+        col = 0
+        for source, meta, pool in self._sources():
+            slots = source.slots()
+            ev = evicted[:, col:col + slots.shape[1]]
+            col += slots.shape[1]
+            if pool is None:
+                self._repack_buffer(self.buf_meta["valid"] & ~ev)
+                continue
+            target = torch.where(ev & (slots >= 0), slots, pool.trash_slot).reshape(-1)  # the rest hit the trash
+            meta["valid"].index_fill_(0, target, False)
+            meta["pos"].index_fill_(0, target, -1)
+
+    def _repack_buffer(self, keep: torch.Tensor) -> None:
+        """Move the buffer's ``keep`` tokens, in order, to its front (fixed shapes)."""
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+        count = keep.sum(1)
+        kept = torch.arange(keep.shape[1], device=self.device)[None, :] < count[:, None]
+        for t, fill in [(self.buf_k, 0), (self.buf_v, 0)] + [(t, -1 if n == "pos" else 0)
+                                                             for n, t in self.buf_meta.items()]:
+            index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand_as(t)
+            shape = (*kept.shape, *[1] * (t.dim() - 2))
+            t.copy_(torch.where(kept.view(shape), t.gather(1, index), fill))
+        self.buf_len.copy_(count)
 
     def add_to_slots(self, name: str, delta: torch.Tensor) -> None:
         """Add ``[B, L]`` increments aligned with the columns of :meth:`attention_sources` to a float channel."""
         col = 0
-        for source, meta in self._sources():
+        for source, meta, _ in self._sources():
             slots = source.slots()
             d = delta[:, col:col + slots.shape[1]].to(torch.float32)
             ok = slots >= 0  # missing blocks add zero to slot 0: fixed shapes, no host sync
@@ -362,7 +407,7 @@ class LayerStore:
         """Live tokens and live prompt tokens per row (``[B]`` each), read from slot metadata only."""
         stored = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         prompt = torch.zeros_like(stored)
-        for source, meta in self._sources():
+        for source, meta, _ in self._sources():
             slots = source.slots()
             flat = slots.clamp(min=0)
             live = (slots >= 0) & meta["valid"][flat]

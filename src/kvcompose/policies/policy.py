@@ -18,6 +18,7 @@ import torch
 
 from .. import registry
 from ..evictors import EvictionContext, Evictor
+from ..evictors.base import keep_top
 from ..paging import DenseCodec, GatherPager, LayerStore, Pager, StoreView
 from ..triggers import Trigger, TriggerInput
 
@@ -238,6 +239,36 @@ class Policy:
         ctx = self.eviction_context(store, view, keep, layer.queries, layer.query_positions, layer.scaling)
         self.pager.compact(store, view, self.evictor.select(ctx))
         return True
+
+    @property
+    def evicts_in_place(self) -> bool:
+        """Whether static decode evicts inside the captured step: the evictor reads only
+        positions and slot channels (StreamingLLM's window, H2O), so its trigger and selection
+        run on the device with fixed shapes, every step."""
+        return self.evictor is not None and not self.evictor.reads_keys and self.query_window == 0
+
+    def compress_in_place(self, layer) -> None:
+        """Static decode, :attr:`evicts_in_place` policies: trigger, scores and selection on
+        fixed-shape slot state, the evicted slots dropped in place (no host synchronization).
+        Keeps the same tokens as :meth:`compress`; only where they lie differs (no compaction)."""
+        store = layer.store
+        channels = tuple(getattr(self.evictor, "slot_channels", ()))
+        positions, valid, state = store.slot_state(channels)
+        is_prompt = valid & (positions < store.prompt_columns)
+        counts = TriggerInput(stored=valid.sum(1), prompt=is_prompt.sum(1),
+                              generated=store.tokens_seen - store.prompt_tokens, budget=self.budget,
+                              segment=self.refresh)
+        plan = self.trigger.plan(counts)
+        fired = self.trigger.fires(counts, plan)
+        keep_count = torch.where(fired, plan, counts.stored)
+        view = StoreView(None, None, positions, valid, None, None, 0)
+        ctx = EvictionContext(keys=None, positions=positions, valid=valid, keep=keep_count,
+                              protected=self.protected(view, is_prompt), state=state,
+                              prompt_columns=store.prompt_columns or 0, segment=self.refresh)
+        evicted = valid & ~keep_top(self.evictor.scores(ctx), ctx, check=False)
+        store.evict_in_place(evicted)
+        layer.cache.thoughts.note_eviction_on_device(evicted.any())
+        store.evictions_on_device += evicted.any()
 
     def trigger_input(self, store: LayerStore, view: StoreView | None = None) -> TriggerInput:
         """The per-row counts a trigger decides on (from ``view``, or from the store's slot metadata)."""
