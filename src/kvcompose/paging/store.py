@@ -269,7 +269,7 @@ class LayerStore:
         full = self.buf_len == cap
         first_group = full[:, None] & (torch.arange(cap, device=self.device) < G)
         self.encode_and_place(self.buf_k, self.buf_v, self.buf_meta, first_group, aligned=True)
-        for t, fill in [(self.buf_k, 0), (self.buf_v, 0)] + [(t, -1 if n == "pos" else 0) for n, t in self.buf_meta.items()]:
+        for t, fill in self._buffer_tensors():
             shifted = torch.cat([t[:, G:], torch.full_like(t[:, :G], fill)], dim=1)
             t.copy_(torch.where(full.view(-1, *[1] * (t.dim() - 1)), shifted, t))
         self.buf_len -= full * G
@@ -381,13 +381,16 @@ class LayerStore:
             meta["valid"].index_fill_(0, target, False)
             meta["pos"].index_fill_(0, target, -1)
 
+    def _buffer_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every per-slot tensor of the buffer with the value of an empty slot."""
+        return [(self.buf_k, 0), (self.buf_v, 0)] + [(t, -1 if n == "pos" else 0) for n, t in self.buf_meta.items()]
+
     def _repack_buffer(self, keep: torch.Tensor) -> None:
         """Move the buffer's ``keep`` tokens, in order, to its front (fixed shapes)."""
         order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
         count = keep.sum(1)
         kept = torch.arange(keep.shape[1], device=self.device)[None, :] < count[:, None]
-        for t, fill in [(self.buf_k, 0), (self.buf_v, 0)] + [(t, -1 if n == "pos" else 0)
-                                                             for n, t in self.buf_meta.items()]:
+        for t, fill in self._buffer_tensors():
             index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand_as(t)
             shape = (*kept.shape, *[1] * (t.dim() - 2))
             t.copy_(torch.where(kept.view(shape), t.gather(1, index), fill))
