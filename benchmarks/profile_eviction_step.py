@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
         summary = cache.static_decoder.summary()
-        phases = cache.thoughts.timer.report()
+        phases = cache.timer.report()
         layer = cache.layers[5]
         torch.cuda.synchronize()
         t0 = time.perf_counter()

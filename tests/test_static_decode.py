@@ -68,8 +68,8 @@ def test_schedule_predicts_exactly_the_steps_whose_trigger_fires(llama):
     static = policy.make_cache(llama)
     fast_generate(llama, static, ids, mask, NEW_TOKENS)
     # Every eager step of the static path is an eviction step of the eager path and vice versa.
-    assert static.static_decoder.eager_steps == eager.thoughts.report()["eviction_steps"]
-    assert eager.thoughts.report()["eviction_steps"] > 1
+    assert static.static_decoder.eager_steps == eager.report().eviction_steps
+    assert eager.report().eviction_steps > 1
 
 
 @pytest.mark.parametrize("preset", ["thinkv", "h2o"])

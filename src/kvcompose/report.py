@@ -66,6 +66,8 @@ class Report:
             per_layer_bytes=[m["in_use"] for m in mems],
             avg_bits=live_bits / live if live else 0.0,
             **cache.thoughts.report(),
+            **cache.counters.report(),
+            time_s=cache.timer.report(),
         )
 
     @property

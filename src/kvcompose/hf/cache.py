@@ -20,7 +20,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..ops.paged_attention import paged_decode_attention
 from ..paging import LayerStore, StoreView
 from .attention import ATTENTION_NAME, LAYER_ATTR, CacheReuseError, UnsupportedModelError
+from .counters import StepCounters
 from .thoughts import ThoughtTracker
+from .timing import PhaseTimer
 
 if TYPE_CHECKING:
     from ..policies import Policy
@@ -117,8 +119,12 @@ class KVComposeLayer(CacheLayerMixin):
         if plan is not None:  # a decode step of the static-shape path (see kvcompose.hf.static)
             if real is not None or query.shape[2] != 1:
                 raise ValueError("static decode appends one real token per row and takes no attention mask")
+            if self.layer_idx == 0:
+                self.cache.counters.begin_forward_on_device()
             positions = store.append_step(key, value, thoughts.step_classes(self.layer_idx), plan.flush)
         else:
+            if self.layer_idx == 0:
+                self.cache.counters.begin_forward()
             cls = thoughts.classes_for(self.layer_idx, key.shape[0], key.shape[2], real, key.device)
             positions = store.append(key, value, real, cls)
             if real is not None:
@@ -127,7 +133,7 @@ class KVComposeLayer(CacheLayerMixin):
         self.cache._note_memory(self.layer_idx)
         fused = self.cache.fused_attention and query.shape[2] == 1 and not self.cache.observers
         view = None if fused else store.view()
-        with thoughts.timer.phase("attention"):
+        with self.cache.timer.phase("attention"):
             if fused:
                 out = self._paged_attention(query, positions, scaling)
             else:
@@ -141,11 +147,11 @@ class KVComposeLayer(CacheLayerMixin):
         thoughts.observe(self.layer_idx, query, view, scaling, store)
         for observer in self.cache.observers:
             observer(self.layer_idx, query, view, positions, scaling)
-        with thoughts.timer.phase("eviction"):
+        with self.cache.timer.phase("eviction"):
             in_place = plan is not None and policy.evicts_in_place  # done above
             evicted = not in_place and policy.compress(self, view)
         if evicted:
-            thoughts.note_eviction()
+            self.cache.counters.note_eviction()
             self.cache._note_memory(self.layer_idx)
         return out.transpose(1, 2).contiguous()
 
@@ -253,7 +259,9 @@ class KVComposeCache(Cache):
         self._start()
 
     def _start(self) -> None:
-        self.thoughts = ThoughtTracker(self.policy, len(self.layers))
+        self.timer = PhaseTimer()  # seconds per phase, when timing is on (time_phases)
+        self.counters = StepCounters()
+        self.thoughts = ThoughtTracker(self.policy, len(self.layers), self.timer)
         # Static decode (kvcompose.hf.static) sets this to the current step's StepPlan.
         self.step_plan = None
         self.static_decoder = None  # the StaticDecoder of that path, for its counts of eager steps and replays
@@ -311,7 +319,7 @@ class KVComposeCache(Cache):
 
     def time_phases(self, enabled: bool = True) -> None:
         """Measure wall time of attention, eviction and classifier refresh (synchronizes CUDA; slows decoding)."""
-        self.thoughts.timer.enable(enabled)
+        self.timer.enable(enabled)
 
     def report(self):
         """Memory and token accounting so far (a :class:`kvcompose.report.Report`)."""

@@ -131,6 +131,7 @@ class StaticDecoder:
         """Advance the host's counters for the next step (a replayed graph runs no Python)."""
         for layer in self.cache.layers:
             layer.store.columns_seen += 1
+        self.cache.counters.begin_forward()
         self.cache.thoughts.begin_forward()
 
     def step(self, tokens: torch.Tensor, plan: StepPlan) -> torch.Tensor:
@@ -185,7 +186,7 @@ class StaticDecoder:
     def _capture(self) -> tuple:
         graph = torch.cuda.CUDAGraph()
         try:
-            with self.cache.thoughts.timer.paused(), torch.cuda.graph(graph, pool=self.pool):
+            with self.cache.timer.paused(), torch.cuda.graph(graph, pool=self.pool):
                 logits = self._forward()
         except RuntimeError as exc:
             raise RuntimeError(

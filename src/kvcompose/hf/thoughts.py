@@ -19,9 +19,9 @@ from .timing import PhaseTimer
 
 
 class ThoughtTracker:
-    """Current thought class per sequence, its refresh, and counters for the report."""
+    """Current thought class per sequence, its refresh, and the thought mix for the report."""
 
-    def __init__(self, policy, num_layers: int):
+    def __init__(self, policy, num_layers: int, timer: PhaseTimer | None = None):
         self.policy = policy
         self.num_layers = num_layers
         classes = policy.classes
@@ -31,13 +31,7 @@ class ThoughtTracker:
         self.sparsity: torch.Tensor | None = None  # [B, num_layers], NaN where not measured
         self.class_tokens: torch.Tensor | None = None  # [num classes] real tokens filed per class (layer 0)
         self.refreshes = 0
-        self.forwards = 0
-        self.evicting_steps = 0
-        self._evicted_this_step = False
-        # Evictions decided inside a captured step (static decode, in-place policies): on the device.
-        self.evicted_now: torch.Tensor | None = None  # 0-d bool
-        self.evicting_steps_device: torch.Tensor | None = None  # 0-d int64
-        self.timer = PhaseTimer()  # seconds per phase, when timing is on
+        self.timer = timer or PhaseTimer()  # the cache's (refresh time is one of its phases)
 
     # ------------------------------------------------------------- per step
     def classes_for(self, layer_idx: int, batch: int, tokens: int, real, device) -> torch.Tensor:
@@ -52,32 +46,18 @@ class ThoughtTracker:
         return self.current[:, None].expand(batch, tokens)
 
     def begin_forward(self) -> None:
-        """Host bookkeeping at the start of a forward pass: adopt a pending class decision
-        (in place, so a captured decode step reads it), count the step. Static decode calls
-        this itself before every step, since a replayed graph runs no Python."""
+        """At the start of a forward pass, adopt a pending class decision (in place, so a
+        captured decode step reads it). Static decode calls this itself before every step,
+        since a replayed graph runs no Python."""
         if self.pending is not None:
             self.current.copy_(self.pending)
             self.pending = None
-        self.forwards += 1
-        if self._evicted_this_step:
-            self.evicting_steps += 1
-        self._evicted_this_step = False
 
     def step_classes(self, layer_idx: int) -> torch.Tensor:
         """Static decode: the class of each row's one new token ``[B]`` (counted at layer 0, on the device)."""
         if layer_idx == 0:
             self.class_tokens.index_add_(0, self.current, torch.ones_like(self.current))
-            if self.evicted_now is not None:
-                self.evicting_steps_device += self.evicted_now
-                self.evicted_now.zero_()
         return self.current
-
-    def note_eviction_on_device(self, fired: torch.Tensor) -> None:
-        """An in-place eviction inside a static step: ``fired`` (0-d bool) counts the step as evicting."""
-        if self.evicted_now is None:
-            self.evicted_now = torch.zeros((), dtype=torch.bool, device=fired.device)
-            self.evicting_steps_device = torch.zeros((), dtype=torch.long, device=fired.device)
-        self.evicted_now |= fired
 
     def is_refresh_step(self, store) -> bool:
         """True in the prefill forward and whenever a segment of generated tokens completes."""
@@ -121,23 +101,9 @@ class ThoughtTracker:
                 self.refreshes += 1
                 self.sparsity = None
 
-    def note_eviction(self) -> None:
-        self._evicted_this_step = True
-
     def report(self) -> dict:
-        """Thought mix (% of real tokens per class), refreshes, eviction call rate, timing."""
+        """Thought mix (% of real tokens per class) and classifier refreshes."""
         total = int(self.class_tokens.sum()) if self.class_tokens is not None else 0
         mix = {c: (100.0 * int(n) / total if total else 0.0)
                for c, n in zip(self.policy.classes, (self.class_tokens.tolist() if total else []))}
-        steps = self.forwards
-        evicting = self.evicting_steps + (1 if self._evicted_this_step else 0)
-        if self.evicted_now is not None:
-            evicting += int(self.evicting_steps_device) + int(self.evicted_now)
-        return {
-            "thought_mix": mix,
-            "refreshes": self.refreshes,
-            "steps": steps,
-            "eviction_steps": evicting,
-            "eviction_call_rate": 100.0 * evicting / steps if steps else 0.0,
-            "time_s": self.timer.report(),
-        }
+        return {"thought_mix": mix, "refreshes": self.refreshes}

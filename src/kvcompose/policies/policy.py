@@ -267,7 +267,7 @@ class Policy:
                               prompt_columns=store.prompt_columns or 0, segment=self.refresh)
         evicted = valid & ~keep_top(self.evictor.scores(ctx), ctx, check=False)
         store.evict_in_place(evicted)
-        layer.cache.thoughts.note_eviction_on_device(evicted.any())
+        layer.cache.counters.note_eviction_on_device(evicted.any())
         store.evictions_on_device += evicted.any()
 
     def trigger_input(self, store: LayerStore, view: StoreView | None = None) -> TriggerInput:
