@@ -168,6 +168,10 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model directory/id or .gguf file (default: embedded SmolLM2)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcompose", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help="the prompt (default: a small word problem)")
     g.add_argument("--preset", default="streamingllm", help="preset name (see `kvcompose presets`)")
     g.add_argument("--budget", type=int, default=None, help="tokens kept per sequence and layer")
-    g.add_argument("--model", default=None, help="HF model directory/id or .gguf file (default: embedded SmolLM2)")
+    _model_option(g)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, default=0.7)
@@ -210,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mask EOS until this many tokens (default: --max-new-tokens, so every prompt runs the full "
                         "length; the masking is recorded and replayed)")
     c.add_argument("--batch-size", type=int, default=4, help="prompts replayed together (1: exact per-prompt memory)")
-    c.add_argument("--model", default=None, help="HF model directory/id or .gguf file (default: embedded SmolLM2)")
+    _model_option(c)
     c.add_argument("--out", default="fidelity", help="output directory (default: ./fidelity)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_cmd_compare)
@@ -221,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "every decode step, and fit ThinKV's KDE thresholds and layer subset L*. Writes a JSON file for "
                     "{'name': 'sparsity_kde', 'calibration': FILE}.",
     )
-    k.add_argument("--model", default=None, help="HF model directory/id or .gguf file (default: embedded SmolLM2)")
+    _model_option(k)
     k.add_argument("--prompts", default=None, help="prompt file: .json list or one prompt per line (default: "
                                                    "kvcompose's reasoning prompts plus its calibration prompts)")
     k.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
@@ -243,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "compiled step first, then each preset through kvcompose's static-shape path (CUDA graphs). "
                     "Prints ms/step, tok/s, the ratio to the baseline, peak GPU memory and the eviction steps' share.",
     )
-    b.add_argument("--model", default=None, help="HF model directory/id or .gguf file (default: embedded SmolLM2)")
+    _model_option(b)
     b.add_argument("--presets", default="fullkv,nvfp4,rkv,thinkv", help="comma-separated presets")
     b.add_argument("--budget", type=int, default=None, help="token budget for the budgeted presets")
     b.add_argument("--batch", type=int, default=16)

@@ -130,7 +130,8 @@ class KVComposeLayer(CacheLayerMixin):
             if real is not None:
                 positions = torch.where(real, positions, -1)
         self._record_queries(query, positions, policy.query_window)
-        self.cache._note_memory(self.layer_idx)
+        if plan is None or plan.flush or plan.eager:  # a static step changes memory only when it flushes
+            self.cache._note_memory(self.layer_idx)
         fused = self.cache.fused_attention and query.shape[2] == 1 and not self.cache.observers
         view = None if fused else store.view()
         with self.cache.timer.phase("attention"):
@@ -138,7 +139,8 @@ class KVComposeLayer(CacheLayerMixin):
                 out = self._paged_attention(query, positions, scaling)
             else:
                 out = self._attention(query, view, positions, scaling)
-        if plan is not None and policy.evicts_in_place:
+        in_place = plan is not None and policy.evicts_in_place  # evicts inside every static step
+        if in_place:
             policy.compress_in_place(self)
         if plan is not None and not plan.eager:
             return out.transpose(1, 2).contiguous()  # the schedule says nothing else happens this step
@@ -148,7 +150,6 @@ class KVComposeLayer(CacheLayerMixin):
         for observer in self.cache.observers:
             observer(self.layer_idx, query, view, positions, scaling)
         with self.cache.timer.phase("eviction"):
-            in_place = plan is not None and policy.evicts_in_place  # done above
             evicted = not in_place and policy.compress(self, view)
         if evicted:
             self.cache.counters.note_eviction()
@@ -173,7 +174,7 @@ class KVComposeLayer(CacheLayerMixin):
             return paged_decode_attention(query, sources, scaling, backend=backend)
         out, probs = paged_decode_attention(query, sources, scaling, probs=True, backend=backend)
         probs = probs[:, :, None, :] * (positions >= 0)[:, None, :, None]  # padding queries receive nothing
-        valid = torch.cat([s.valid[slots.clamp(min=0)] & (slots >= 0) for s in sources for slots in [s.slots()]], dim=1)
+        _, valid, _ = self.store.slot_state()
         for name, d in (evictor.observe(probs, valid) or {}).items():
             self.store.add_to_slots(name, d)
         return out

@@ -59,7 +59,7 @@ class Schedule:
         self.policy = cache.policy
         self.stores = [layer.store for layer in cache.layers]
         self.remaining = steps
-        self.capacity = self.stores[0].buf_k.shape[1]
+        self.buffer_slots = self.stores[0].buf_k.shape[1]
         self.group = self.stores[0].group_size
         self.sync()
 
@@ -91,7 +91,7 @@ class Schedule:
         self.since_sync += 1
         self.remaining -= 1
         self.buffered += 1
-        full = self.buffered == self.capacity
+        full = self.buffered == self.buffer_slots
         self.buffered -= full.long() * self.group
         refresh = self.cache.thoughts.is_refresh_step(self.stores[0])
         return StepPlan(flush=bool(full.any()), eager=refresh or self.since_sync == self.fires_at)

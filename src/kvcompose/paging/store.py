@@ -408,15 +408,8 @@ class LayerStore:
 
     def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Live tokens and live prompt tokens per row (``[B]`` each), read from slot metadata only."""
-        stored = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
-        prompt = torch.zeros_like(stored)
-        for source, meta, _ in self._sources():
-            slots = source.slots()
-            flat = slots.clamp(min=0)
-            live = (slots >= 0) & meta["valid"][flat]
-            stored += live.sum(1)
-            prompt += (live & (meta["pos"][flat] < (self.prompt_columns or 0))).sum(1)
-        return stored, prompt
+        positions, valid, _ = self.slot_state()
+        return valid.sum(1), (valid & (positions < (self.prompt_columns or 0))).sum(1)
 
     def channel(self, name: str, view: StoreView) -> torch.Tensor:
         """A float metadata channel, aligned with ``view``'s columns."""

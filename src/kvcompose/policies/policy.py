@@ -252,12 +252,9 @@ class Policy:
         fixed-shape slot state, the evicted slots dropped in place (no host synchronization).
         Keeps the same tokens as :meth:`compress`; only where they lie differs (no compaction)."""
         store = layer.store
-        channels = tuple(getattr(self.evictor, "slot_channels", ()))
-        positions, valid, state = store.slot_state(channels)
+        positions, valid, state = store.slot_state(tuple(getattr(self.evictor, "slot_channels", ())))
         is_prompt = valid & (positions < store.prompt_columns)
-        counts = TriggerInput(stored=valid.sum(1), prompt=is_prompt.sum(1),
-                              generated=store.tokens_seen - store.prompt_tokens, budget=self.budget,
-                              segment=self.refresh)
+        counts = self._counts(store, valid, is_prompt)
         plan = self.trigger.plan(counts)
         fired = self.trigger.fires(counts, plan)
         keep_count = torch.where(fired, plan, counts.stored)
@@ -272,18 +269,13 @@ class Policy:
 
     def trigger_input(self, store: LayerStore, view: StoreView | None = None) -> TriggerInput:
         """The per-row counts a trigger decides on (from ``view``, or from the store's slot metadata)."""
-        if view is None:
-            stored, prompt = store.counts()
-        else:
-            stored = view.valid.sum(1)
-            prompt = (view.valid & (view.positions < store.prompt_columns)).sum(1)
-        return TriggerInput(
-            stored=stored,
-            prompt=prompt,
-            generated=store.tokens_seen - store.prompt_tokens,
-            budget=self.budget,
-            segment=self.refresh,
-        )
+        positions, valid, _ = store.slot_state() if view is None else (view.positions, view.valid, None)
+        return self._counts(store, valid, valid & (positions < (store.prompt_columns or 0)))
+
+    def _counts(self, store: LayerStore, valid: torch.Tensor, is_prompt: torch.Tensor) -> TriggerInput:
+        return TriggerInput(stored=valid.sum(1), prompt=is_prompt.sum(1),
+                            generated=store.tokens_seen - store.prompt_tokens, budget=self.budget,
+                            segment=self.refresh)
 
     def plan(self, store: LayerStore, view: StoreView | None = None) -> torch.Tensor:
         """How many tokens each row keeps now (``[B]``; equal to the stored count where nothing is evicted)."""
