@@ -113,6 +113,7 @@ class H2OEvictor(Evictor):
     needs_probs = True
     slot_channels = ("acc",)
     reads_keys = False
+    score_source = "acc"
 
     def observe(self, attn_probs: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         if attn_probs.dim() != 4 or attn_probs.shape[0] != valid.shape[0] or attn_probs.shape[-1] != valid.shape[1]:

@@ -78,6 +78,10 @@ class Evictor:
     #: Whether :meth:`scores` reads keys or queries (False: positions and slot channels only,
     #: which static decode can evict from inside a captured step).
     reads_keys: bool = True
+    #: What :meth:`scores` returns for an evictor that reads no keys: ``"position"`` or the
+    #: name of one slot channel (static decode then drops one token per step without sorting,
+    #: see :mod:`kvcompose.ops.evict_one`); None: only :meth:`scores` knows.
+    score_source: str | None = None
 
     def scores(self, ctx: EvictionContext) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError

@@ -16,6 +16,7 @@ class WindowEvictor(Evictor):
     """Keep the most recent tokens; combined with protected sinks this is StreamingLLM."""
 
     reads_keys = False
+    score_source = "position"
 
     def scores(self, ctx: EvictionContext) -> torch.Tensor:
         return ctx.positions.to(torch.float32)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.evict_one import evict_one_in_place
 from ..ops.paged_attention import KVOperand, PagedSource
 from .codec import DenseCodec, SlotCodec
 from .pool import BlockPool
@@ -380,6 +381,15 @@ class LayerStore:
             target = torch.where(ev & (slots >= 0), slots, pool.trash_slot).reshape(-1)  # the rest hit the trash
             meta["valid"].index_fill_(0, target, False)
             meta["pos"].index_fill_(0, target, -1)
+
+    def evict_one(self, **choice) -> torch.Tensor:
+        """Static mode, one region: each row over ``choice["budget"]`` drops one token where it
+        lies (see :func:`~kvcompose.ops.evict_one.evict_one_in_place` for ``choice``); returns
+        ``[B]`` bool. A row that would need to drop more sets the overflow flag."""
+        source, meta, _ = self._sources()[0]
+        buffer = {"k": self.buf_k, "v": self.buf_v, **self.buf_meta}
+        return evict_one_in_place(source.table, source.block_size, meta, buffer, self.buf_len,
+                                  prompt_columns=self.prompt_columns or 0, bad=self.overflow, **choice)
 
     def _buffer_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every per-slot tensor of the buffer with the value of an empty slot."""

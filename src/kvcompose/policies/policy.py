@@ -20,7 +20,7 @@ from .. import registry
 from ..evictors import EvictionContext, Evictor
 from ..evictors.base import keep_top
 from ..paging import DenseCodec, GatherPager, LayerStore, Pager, StoreView
-from ..triggers import Trigger, TriggerInput
+from ..triggers import OverBudget, Trigger, TriggerInput
 
 COMPONENT_FIELDS = {"evictor": "evictor", "trigger": "trigger", "pager": "pager", "classifier": "classifier"}
 
@@ -252,6 +252,27 @@ class Policy:
         fixed-shape slot state, the evicted slots dropped in place (no host synchronization).
         Keeps the same tokens as :meth:`compress`; only where they lie differs (no compaction)."""
         store = layer.store
+        if self._drops_one_per_step(store):
+            source = self.evictor.score_source
+            evicted = store.evict_one(budget=self.budget, sinks=self.sinks, recent=self.recent_tokens,
+                                      protect_prompt=self.protect_prompt,
+                                      score_channel=None if source == "position" else source).any()
+        else:
+            evicted = self._evict_in_place_by_rank(store)
+        layer.cache.counters.note_eviction_on_device(evicted)
+        store.evictions_on_device += evicted
+
+    def _drops_one_per_step(self, store: LayerStore) -> bool:
+        """Whether :meth:`compress_in_place` can use :meth:`LayerStore.evict_one`: an over-budget
+        trigger (a step adds one token, so a row drops at most one), scores from positions or one
+        slot channel, and a store of one region."""
+        channels = tuple(getattr(self.evictor, "slot_channels", ()))
+        return (isinstance(self.trigger, OverBudget) and self.evictor.score_source is not None
+                and len(store.regions) == 1 and len(channels) <= 1
+                and self.evictor.score_source in ("position", *channels))
+
+    def _evict_in_place_by_rank(self, store: LayerStore) -> torch.Tensor:
+        """The general in-place eviction: ranks every slot (keep_top); returns whether any row evicted."""
         positions, valid, state = store.slot_state(tuple(getattr(self.evictor, "slot_channels", ())))
         is_prompt = valid & (positions < store.prompt_columns)
         counts = self._counts(store, valid, is_prompt)
@@ -264,8 +285,7 @@ class Policy:
                               prompt_columns=store.prompt_columns or 0, segment=self.refresh)
         evicted = valid & ~keep_top(self.evictor.scores(ctx), ctx, check=False)
         store.evict_in_place(evicted)
-        layer.cache.counters.note_eviction_on_device(evicted.any())
-        store.evictions_on_device += evicted.any()
+        return evicted.any()
 
     def trigger_input(self, store: LayerStore, view: StoreView | None = None) -> TriggerInput:
         """The per-row counts a trigger decides on (from ``view``, or from the store's slot metadata)."""
