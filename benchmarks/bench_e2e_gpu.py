@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import traceback
 from pathlib import Path
 
 import torch
@@ -170,6 +171,7 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> l
             else:
                 row = kvcompose_run(model, policy, batch, prompt, new)
         except Exception as exc:  # record what failed instead of losing the other runs
+            traceback.print_exc()
             row = {"batch": batch, "new_tokens": new, "error": f"{type(exc).__name__}: {exc}"[:500]}
         row.update(policy=name, scenario=scenario)
         if "tok_per_s" in row:

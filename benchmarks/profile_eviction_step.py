@@ -25,13 +25,16 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="rkv,thinkv")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=400)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--trace", action="store_true",
+                    help="also run once under torch.profiler and print the top operators by GPU and host time")
     args = ap.parse_args(argv)
     from kvcompose import Policy
 
     model = llama_model(False, "cuda")
     ids, mask = random_prompts(model.config.vocab_size, args.batch, 512, "cuda")
     for name in args.policies.split(","):
-        overrides = {"budget": 256}
+        overrides = {"budget": args.budget}
         if name.startswith("thinkv"):
             overrides["classifier"] = {"name": "sparsity_kde", "thresholds": [0.5, 0.8], "layers": [0, 1, 2, 3]}
         policy = Policy.from_preset(name, **overrides)
@@ -57,7 +60,22 @@ def main(argv=None) -> int:
               f"phases {phases}, eviction s/eager step {phases.get('eviction', 0) / max(eager, 1):.3f}, "
               f"refresh s/eager step {phases.get('refresh', 0) / max(eager, 1):.3f}, one layer view {view_ms:.1f} ms",
               flush=True)
+        if args.trace:
+            trace(model, policy, ids, mask, args.new_tokens)
     return 0
+
+
+def trace(model, policy, ids, mask, new_tokens: int) -> None:
+    """Operators of one whole run (eager steps dominate), by GPU time and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = policy.make_cache(model)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fast_generate(model, cache, ids, mask, new_tokens)
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    print(table.table(sort_by="self_device_time_total", row_limit=25), flush=True)
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import char_tokenizer, greedy, left_padded
+from sync_guard import HostSyncError, no_host_sync
 from kvcompose import Policy
 from kvcompose.hf.static import Schedule, fast_generate, static_capacity
 
@@ -104,6 +105,37 @@ def test_static_step_keeps_every_state_tensor_in_place(llama, preset):
             schedule.sync()
     cache.step_plan = None
     assert tensors(cache) == before
+
+
+def test_sync_guard_refuses_host_reads():
+    t = torch.arange(4)
+    with no_host_sync():
+        for read in (lambda: bool(t.sum()), lambda: t[t > 1], lambda: t.sum().item(), lambda: t.tolist()):
+            with pytest.raises(HostSyncError):
+                read()
+        t[t.clamp(max=2)] = t.flip(0)  # tensor values through tensor indices are fine
+
+
+@pytest.mark.parametrize("preset", sorted(POLICIES))
+def test_steps_between_eager_ones_never_read_the_device(llama, preset, monkeypatch):
+    """What CUDA graph capture needs, checked on CPU: no host synchronization in the steps that
+    the GPU replays (every preset; eager steps may synchronize)."""
+    from kvcompose.hf import static
+
+    forward = static.StaticDecoder._forward
+
+    def guarded(self):
+        if self.cache.step_plan.eager:
+            return forward(self)
+        with no_host_sync():
+            return forward(self)
+
+    monkeypatch.setattr(static.StaticDecoder, "_forward", guarded)
+    policy = Policy.from_preset(preset, **POLICIES[preset])
+    _, ids, mask = left_padded([20, 13, 31])
+    cache = policy.make_cache(llama)
+    fast_generate(llama, cache, ids, mask, 24)
+    assert cache.static_decoder.eager_steps < 23
 
 
 def test_capacity_follows_the_trigger():

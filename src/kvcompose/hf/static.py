@@ -14,6 +14,7 @@ the eager path.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
@@ -183,8 +184,17 @@ class StaticDecoder:
             out["host_ms_per_replay"] = 1e3 * self._host_s / max(self.replays, 1)
         return out
 
+    def release_graphs(self) -> None:
+        """Free the captured graphs and their memory pool now. The decoder and its cache refer
+        to each other, so without this they would wait for Python's cycle collector, which may
+        then destroy them in the middle of another capture (CUDA refuses that and the capture
+        fails)."""
+        self.captured.clear()
+        self.pool = None
+
     def _capture(self) -> tuple:
         graph = torch.cuda.CUDAGraph()
+        gc.collect()  # graphs of other decoders the user dropped: destroy them now, not during the capture
         try:
             with self.cache.timer.paused(), torch.cuda.graph(graph, pool=self.pool):
                 logits = self._forward()
@@ -233,6 +243,7 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
                 _decode(decoder, Schedule(cache, max_new_tokens - 1), tokens, finished, eos, pad_token_id)
             finally:
                 cache.step_plan = None
+                decoder.release_graphs()
         cache.check_errors()
     return torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
 

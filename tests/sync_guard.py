@@ -1,0 +1,83 @@
+"""A CPU stand-in for CUDA graph capture's rules: refuse what would synchronize with the host.
+
+Inside :func:`no_host_sync`, reading a tensor's value on the host (``bool``, ``int``,
+``float``, ``item``, ``tolist``, ``nonzero``), boolean-mask indexing (its output size depends
+on the data) and writing a Python scalar through a tensor index (a host-to-device copy on
+CUDA) raise ``HostSyncError``. A step that passes on CPU has none of the syncs that make a
+capture fail on the GPU. Calls from inside ``kvcompose.ops`` are let through: on CPU those
+ops run their torch references, on CUDA their kernels (whose capture the gpu tests check)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+
+OPS = os.sep + os.path.join("kvcompose", "ops") + os.sep
+
+
+def _inside_ops() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if OPS in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class HostSyncError(AssertionError):
+    pass
+
+
+def _has_bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def _has_tensor_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) for i in items)
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    T = torch.Tensor
+    names = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "nonzero", "__getitem__",
+             "__setitem__")
+    saved = {n: getattr(T, n) for n in names}
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            if _inside_ops():
+                return saved.get(name, nonzero)(self, *args, **kwargs)
+            raise HostSyncError(f"Tensor.{name} reads a device value on the host")
+        return method
+
+    def getitem(self, index):
+        if _has_bool_index(index) and not _inside_ops():
+            raise HostSyncError("boolean-mask indexing: its output shape depends on the data")
+        return saved["__getitem__"](self, index)
+
+    def setitem(self, index, value):
+        if _inside_ops():
+            return saved["__setitem__"](self, index, value)
+        if _has_bool_index(index):
+            raise HostSyncError("boolean-mask assignment: use torch.where or masked_fill_")
+        if _has_tensor_index(index) and isinstance(value, (bool, int, float)):
+            raise HostSyncError(f"a Python scalar ({value!r}) written through a tensor index is a host copy")
+        return saved["__setitem__"](self, index, value)
+
+    patched = {n: refuse(n) for n in names[:7]}
+    patched.update(__getitem__=getitem, __setitem__=setitem)
+    nonzero = torch.nonzero
+    try:
+        for n, f in patched.items():
+            setattr(T, n, f)
+        torch.nonzero = refuse("nonzero")
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(T, n, f)
+        torch.nonzero = nonzero
