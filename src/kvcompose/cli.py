@@ -52,6 +52,43 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _preset_list(text: str) -> list[str]:
+    presets = [p.strip() for p in text.split(",") if p.strip()]
+    if not presets:
+        raise ValueError(f"--presets names no preset (got {text!r}); list them with: kvcompose presets")
+    return presets
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}") from None
+    if not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -67,14 +104,17 @@ def _cmd_compare(args) -> int:
 
     from . import models
     from .eval import compare_presets, load_prompts, parse_overrides
-    from .eval.fidelity import preset_policy
+    from .eval.fidelity import build_policies
 
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    presets = _preset_list(args.presets)
     overrides = parse_overrides(args.set)
-    for name in presets:  # unknown presets and bad overrides fail before the model loads
-        preset_policy(name, overrides)
-    prompts = load_prompts(args.prompts, args.num_prompts)
     budgets = [args.budget] if args.budget is not None else args.budgets
+    # Unknown presets, bad overrides and budgets too small for a preset fail before the model loads.
+    build_policies(presets, budgets, overrides)
+    if args.min_new_tokens is not None and not 0 <= args.min_new_tokens <= args.max_new_tokens:
+        raise ValueError(f"--min-new-tokens must lie in [0, --max-new-tokens={args.max_new_tokens}], "
+                         f"got {args.min_new_tokens}")
+    prompts = load_prompts(args.prompts, args.num_prompts)
     start = time.perf_counter()
     print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     model, tokenizer = models.load(args.model)
@@ -139,8 +179,9 @@ def _cmd_bench(args) -> int:
 
     from . import Policy, models, speed
 
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    policies = [Policy.from_preset(n, **({"budget": args.budget} if args.budget else {})) for n in presets]
+    presets = _preset_list(args.presets)
+    policies = [Policy.from_preset(n, **({"budget": args.budget} if args.budget is not None else {}))
+                for n in presets]
     cuda = torch.cuda.is_available()
     if not cuda:
         print("kvcompose: no CUDA device: decoding runs without CUDA graphs and the baseline is not compiled; "
@@ -184,9 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preset", default="streamingllm", help="preset name (see `kvcompose presets`)")
     g.add_argument("--budget", type=int, default=None, help="tokens kept per sequence and layer")
     _model_option(g)
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=256)
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--temperature", type=_positive_float, default=0.7)
     g.add_argument("--json", default=None, help="also write text, policy and report to this JSON file")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=_cmd_generate)
@@ -201,19 +242,20 @@ def build_parser() -> argparse.ArgumentParser:
     size = c.add_mutually_exclusive_group()
     size.add_argument("--budget", type=int, default=None, help="one token budget for every budgeted preset")
     size.add_argument("--budgets", type=_int_list, default=None, help="comma-separated budgets to sweep, e.g. 64,128")
-    size.add_argument("--match-memory", type=float, default=None, metavar="PCT",
+    size.add_argument("--match-memory", type=_percent, default=None, metavar="PCT",
                       help="calibrate each compressing preset's budget (RPC: period) on the first prompt so its "
                            "measured mean KV memory is closest to PCT%% of full")
     c.add_argument("--set", action="append", default=[], metavar="PRESET.FIELD=VALUE",
                    help="override a preset field, e.g. rpc.trigger.period=64 (repeatable; VALUE is JSON or a string)")
     c.add_argument("--prompts", default=None, help="prompt file: .json list or one prompt per line "
                                                    "(default: kvcompose's reasoning prompts)")
-    c.add_argument("--num-prompts", type=int, default=3, help="use the first K prompts (default 3)")
-    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--num-prompts", type=_positive_int, default=3, help="use the first K prompts (default 3)")
+    c.add_argument("--max-new-tokens", type=_positive_int, default=256)
     c.add_argument("--min-new-tokens", type=int, default=None,
                    help="mask EOS until this many tokens (default: --max-new-tokens, so every prompt runs the full "
                         "length; the masking is recorded and replayed)")
-    c.add_argument("--batch-size", type=int, default=4, help="prompts replayed together (1: exact per-prompt memory)")
+    c.add_argument("--batch-size", type=_positive_int, default=4,
+                   help="prompts replayed together (1: exact per-prompt memory)")
     _model_option(c)
     c.add_argument("--out", default="fidelity", help="output directory (default: ./fidelity)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -228,15 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     _model_option(k)
     k.add_argument("--prompts", default=None, help="prompt file: .json list or one prompt per line (default: "
                                                    "kvcompose's reasoning prompts plus its calibration prompts)")
-    k.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
-    k.add_argument("--max-new-tokens", type=int, default=256)
+    k.add_argument("--num-prompts", type=_positive_int, default=None, help="use the first N prompts (default: all)")
+    k.add_argument("--max-new-tokens", type=_positive_int, default=256)
     k.add_argument("--min-new-tokens", type=int, default=0,
                    help="mask EOS until this many tokens (default 0: each prompt stops at its EOS)")
     k.add_argument("--num-types", type=int, default=3, help="thought types to separate (1-3; default 3)")
     k.add_argument("--num-layers", type=int, default=4, help="size of the layer subset L* (default 4)")
     k.add_argument("--min-steps", type=int, default=16,
                    help="leave out prompts with fewer decode steps than this (default 16)")
-    k.add_argument("--batch-size", type=int, default=4, help="prompts decoded together (default 4)")
+    k.add_argument("--batch-size", type=_positive_int, default=4, help="prompts decoded together (default 4)")
     k.add_argument("--out", required=True, help="calibration JSON to write")
     k.add_argument("--quiet", action="store_true", help="no progress bar")
     k.set_defaults(func=_cmd_calibrate)
@@ -250,20 +292,28 @@ def build_parser() -> argparse.ArgumentParser:
     _model_option(b)
     b.add_argument("--presets", default="fullkv,nvfp4,rkv,thinkv", help="comma-separated presets")
     b.add_argument("--budget", type=int, default=None, help="token budget for the budgeted presets")
-    b.add_argument("--batch", type=int, default=16)
-    b.add_argument("--prompt", type=int, default=512, help="prompt tokens per row")
-    b.add_argument("--new-tokens", type=int, default=1024)
+    b.add_argument("--batch", type=_positive_int, default=16)
+    b.add_argument("--prompt", type=_positive_int, default=512, help="prompt tokens per row")
+    b.add_argument("--new-tokens", type=_positive_int, default=1024)
     b.add_argument("--json", default=None, help="also write every run's fields to this JSON file")
     b.set_defaults(func=_cmd_bench)
     return parser
+
+
+#: What a user's input can raise: bad names, values and configs (``ValueError``, the registry's
+#: ``KeyError``), missing optional packages, and files or models that cannot be read (``OSError``,
+#: which is also what transformers raises for a model it cannot find). Anything else is a bug and
+#: keeps its traceback.
+USER_ERRORS = (ValueError, KeyError, ModuleNotFoundError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, KeyError, ModuleNotFoundError, FileNotFoundError) as exc:
-        print(f"kvcompose: error: {exc}", file=sys.stderr)
+    except USER_ERRORS as exc:
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"kvcompose: error: {message}", file=sys.stderr)
         return 2
 
 

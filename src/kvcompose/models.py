@@ -24,12 +24,35 @@ def default_model_path() -> str:
     return path
 
 
+def check_model_path(path: str) -> None:
+    """Fail by name, before transformers runs, for a local model path that cannot be loaded.
+
+    A path that looks local (absolute, or starting with ``.`` or ``~``, which no Hub id does)
+    must exist, and a directory must hold a ``config.json``; anything else is left to
+    transformers as a Hub id (``org/name``, or ``org/name/file.gguf``).
+    """
+    local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+    if not local:
+        return
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"model {path!r} does not exist; give a Hugging Face model directory, a .gguf file or a Hub id "
+            "(org/name), or no path for the embedded SmolLM2-135M-Instruct"
+        )
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"model directory {path!r} has no config.json; expected a Hugging Face model directory "
+            "(config.json, weights and tokenizer files) or a .gguf file"
+        )
+
+
 def load(path: str | None = None, dtype=None, device: str | None = None, attn_implementation: str = "kvcompose"):
     """Load ``(model, tokenizer)`` from a Hugging Face directory/hub id, a ``.gguf`` file, or the default model."""
+    path = os.path.expanduser(path) if path else default_model_path()
+    check_model_path(path)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = path or default_model_path()
     dtype = dtype or torch.float32
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
     if path.endswith(".gguf"):

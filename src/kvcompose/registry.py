@@ -29,6 +29,13 @@ class UnknownComponentError(KeyError):
         return str(self.args[0])
 
 
+class ComponentSpecError(TypeError, ValueError):
+    """A component given as something other than a name, a ``{"name": ...}`` dict or an instance.
+
+    A ``TypeError`` (the spec has the wrong type) and a ``ValueError`` (it is bad input from a
+    config or the command line, reported like the other config errors)."""
+
+
 def register(kind: str, name: str) -> Callable[[T], T]:
     """Class decorator: register a component class as ``name`` of ``kind``.
 
@@ -82,7 +89,11 @@ def build(kind: str, spec: Any) -> Any:
         return cls(**fields)
     if getattr(spec, "kind", None) == kind and dataclasses.is_dataclass(spec):
         return spec
-    raise TypeError(f"cannot build a {kind} from {spec!r}; give a name, a dict with 'name', or a {kind} instance")
+    article = "an" if kind[0] in "aeiou" else "a"
+    raise ComponentSpecError(
+        f"cannot build {article} {kind} from {spec!r}; give a name ({', '.join(names(kind))}), "
+        f"a dict with 'name', or {article} {kind} instance"
+    )
 
 
 def to_config(component: Any) -> dict | None:
