@@ -617,8 +617,6 @@ def test_reuse_of_a_cache_on_an_unpadded_batch_is_refused(llama):
         greedy(llama, ids, torch.ones_like(ids), 3, cache=cache)
 
 
-@pytest.mark.xfail(strict=True, reason="hf/thoughts.py classes_for runs before the store's shape check: a batch of "
-                                       "another size fails with torch's index_add_ RuntimeError")
 def test_a_forward_of_another_batch_size_names_the_cache_shape(llama):
     cache = Policy.from_preset("fullkv").make_cache(llama)
     ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))

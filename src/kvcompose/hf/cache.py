@@ -125,6 +125,7 @@ class KVComposeLayer(CacheLayerMixin):
         else:
             if self.layer_idx == 0:
                 self.cache.counters.begin_forward()
+            store.check_input(key, value)  # before the thought classes index rows by batch
             cls = thoughts.classes_for(self.layer_idx, key.shape[0], key.shape[2], real, key.device)
             positions = store.append(key, value, real, cls)
             if real is not None:

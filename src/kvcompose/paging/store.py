@@ -130,15 +130,7 @@ class LayerStore:
         B, H, T, D = keys.shape
         if self.static:
             raise ValueError("this store is in static mode (fixed capacity): append one token per row with append_step")
-        if (B, H, D) != (self.batch_size, self.num_kv_heads, self.head_dim):
-            raise ValueError(
-                f"keys of shape {tuple(keys.shape)} do not match the cache (batch {self.batch_size}, "
-                f"{self.num_kv_heads} KV heads, head dim {self.head_dim})"
-            )
-        if values.shape != keys.shape:
-            raise ValueError(f"values shape {tuple(values.shape)} differs from keys shape {tuple(keys.shape)}")
-        if keys.dtype != self.dtype or values.dtype != self.dtype:
-            raise ValueError(f"keys/values dtype {keys.dtype}/{values.dtype} differ from the cache dtype {self.dtype}")
+        self.check_input(keys, values)
         if real is None:
             real = torch.ones(B, T, dtype=torch.bool, device=self.device)
         if cls is None:
@@ -169,6 +161,20 @@ class LayerStore:
         self.encode_and_place(k, v, meta, to_blocks)
         self.refill_buffer(k, v, meta, live & ~to_blocks)
         return positions
+
+    def check_input(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Refuse new keys/values (``[B, Hkv, T, D]``) whose batch, heads, head dim or dtype
+        differ from this store's, naming both."""
+        B, H, _, D = keys.shape
+        if (B, H, D) != (self.batch_size, self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"keys of shape {tuple(keys.shape)} do not match the cache (batch {self.batch_size}, "
+                f"{self.num_kv_heads} KV heads, head dim {self.head_dim})"
+            )
+        if values.shape != keys.shape:
+            raise ValueError(f"values shape {tuple(values.shape)} differs from keys shape {tuple(keys.shape)}")
+        if keys.dtype != self.dtype or values.dtype != self.dtype:
+            raise ValueError(f"keys/values dtype {keys.dtype}/{values.dtype} differ from the cache dtype {self.dtype}")
 
     def encode_and_place(self, k: torch.Tensor, v: torch.Tensor, meta: dict, mask: torch.Tensor,
                          aligned: bool = False) -> None:
