@@ -59,34 +59,22 @@ def _preset_list(text: str) -> list[str]:
     return presets
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(kind, accepts, what: str):
+    """An argparse type: ``kind(text)`` that ``accepts``, else an error saying ``what`` was expected."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not accepts(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}") from None
-    if not 0 < value <= 100:
-        raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
+_percent = _number(float, lambda v: 0 < v <= 100, "a percentage in (0, 100]")
 
 
 def _int_list(text: str) -> list[int]:
