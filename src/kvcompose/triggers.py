@@ -43,6 +43,10 @@ class Trigger:
         """Smallest budget this trigger can work with (beyond the policy's protected tokens)."""
         return 1
 
+    #: Whether :meth:`plan` is ``min(stored, budget)`` at every step, so that a row that
+    #: gains one token per step drops at most one (static decode then needs no sort).
+    trims_every_step: bool = False
+
     def headroom(self, counts: TriggerInput) -> int | None:
         """Most tokens a row at or under the budget gains before this trigger brings it back
         (what static decode reserves beyond the budget); None: no bound (memory follows the length)."""
@@ -53,6 +57,8 @@ class Trigger:
 @dataclass
 class OverBudget(Trigger):
     """Every step, trim each row that holds more than the budget back to the budget."""
+
+    trims_every_step = True
 
     def plan(self, counts: TriggerInput) -> torch.Tensor:
         if counts.budget is None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant_common import HAS_TRITON, interpreted, jit, next_pow2, tl
+from .quant_common import jit, next_pow2, step_kernel_runs, tl
 
 BUFFER_CHANNELS = ("k", "v", "pos", "valid", "cls")  # plus, optionally, one float slot channel
 
@@ -158,15 +158,10 @@ def evict_one_in_place(table: torch.Tensor, block_size: int, pool: dict, buffer:
     (Triton on CUDA, the torch reference elsewhere), ``"triton"`` (CUDA, or the interpreter
     under ``TRITON_INTERPRET=1``), ``"torch"``."""
     _check(table, pool, buffer, score_channel)
-    if backend not in (None, "triton", "torch"):
-        raise ValueError(f"unknown backend {backend!r}; accepted: None (auto), 'triton', 'torch'")
-    runnable = HAS_TRITON and (table.is_cuda or interpreted(_evict_one_kernel))
-    if backend == "triton" and not runnable:
-        raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (set before importing kvcompose)")
-    args = dict(budget=budget, sinks=sinks, recent=recent, prompt_columns=prompt_columns,
-                protect_prompt=protect_prompt, score_channel=score_channel, bad=bad)
-    if backend == "torch" or (backend is None and not (HAS_TRITON and table.is_cuda)):
-        return evict_one_in_place_torch(table, block_size, pool, buffer, buf_len, **args)
+    if not step_kernel_runs(table, _evict_one_kernel, backend):
+        return evict_one_in_place_torch(table, block_size, pool, buffer, buf_len, budget=budget, sinks=sinks,
+                                        recent=recent, prompt_columns=prompt_columns, protect_prompt=protect_prompt,
+                                        score_channel=score_channel, bad=bad)
     B, cap = buffer["pos"].shape
     hd = buffer["k"][0, 0].numel()
     evicted = torch.zeros(B, dtype=torch.int8, device=table.device)

@@ -46,6 +46,7 @@ from .quant_common import (
     jit,
     next_pow2,
     out_buffer,
+    step_kernel_runs,
     store_out_tl,
     tl,
     unpack_codes,
@@ -633,13 +634,8 @@ def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scal
     CPU interpreter under ``TRITON_INTERPRET=1``), "torch". Rows with no valid token get zeros.
     """
     check_sources(query, sources)
-    if backend not in (None, "triton", "torch"):
-        raise ValueError(f"unknown backend {backend!r}; accepted: None (auto), 'triton', 'torch'")
-    if backend == "triton" and not (HAS_TRITON and (query.is_cuda or interpreted(_paged_partial_kernel))):
-        raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (set before importing kvcompose)")
-    # Auto picks the kernel on CUDA only: a model's every decode step through the CPU
-    # interpreter would be too slow, so CPU runs the reference unless asked otherwise.
-    if backend == "torch" or (backend is None and not (HAS_TRITON and query.is_cuda and kernel_fits(query, sources))):
+    fits = backend is not None or kernel_fits(query, sources)
+    if not step_kernel_runs(query, _paged_partial_kernel, backend, fits):
         return paged_decode_attention_torch(query, sources, scaling, return_probs=probs)
     return _paged_decode_triton(query, sources, scaling, probs)
 

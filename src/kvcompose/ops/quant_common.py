@@ -336,6 +336,20 @@ def use_triton(x: torch.Tensor, kernel, backend: str | None) -> bool:
     return runnable
 
 
+def step_kernel_runs(x: torch.Tensor, kernel, backend: str | None, fits: bool = True) -> bool:
+    """Dispatch of the ops that run every decode step (paged attention, in-place eviction):
+    ``backend=None`` picks the kernel on CUDA only (``fits``: the kernel takes these shapes),
+    since a model's every step through the CPU interpreter would be too slow; ``"triton"``
+    forces it (CUDA, or the interpreter under ``TRITON_INTERPRET=1``), ``"torch"`` the reference."""
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"unknown backend {backend!r}; accepted: None (auto), 'triton', 'torch'")
+    if backend == "triton" and not (HAS_TRITON and (x.is_cuda or interpreted(kernel))):
+        raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (set before importing kvcompose)")
+    if backend is None:
+        return HAS_TRITON and x.is_cuda and fits
+    return backend == "triton"
+
+
 #: Use the GPU's own E4M3 conversion where it has one (see :func:`e4m3_encode_hw_tl`).
 HW_E4M3 = os.environ.get("KVCOMPOSE_HW_E4M3", "1") != "0"
 

@@ -20,7 +20,7 @@ from .. import registry
 from ..evictors import EvictionContext, Evictor
 from ..evictors.base import keep_top
 from ..paging import DenseCodec, GatherPager, LayerStore, Pager, StoreView
-from ..triggers import OverBudget, Trigger, TriggerInput
+from ..triggers import Trigger, TriggerInput
 
 COMPONENT_FIELDS = {"evictor": "evictor", "trigger": "trigger", "pager": "pager", "classifier": "classifier"}
 
@@ -263,11 +263,11 @@ class Policy:
         store.evictions_on_device += evicted
 
     def _drops_one_per_step(self, store: LayerStore) -> bool:
-        """Whether :meth:`compress_in_place` can use :meth:`LayerStore.evict_one`: an over-budget
-        trigger (a step adds one token, so a row drops at most one), scores from positions or one
-        slot channel, and a store of one region."""
+        """Whether :meth:`compress_in_place` can use :meth:`LayerStore.evict_one`: a trigger that
+        trims to the budget every step (a step adds one token, so a row drops at most one),
+        scores from positions or one slot channel, and a store of one region."""
         channels = tuple(getattr(self.evictor, "slot_channels", ()))
-        return (isinstance(self.trigger, OverBudget) and self.evictor.score_source is not None
+        return (self.trigger.trims_every_step and self.budget is not None and self.evictor.score_source is not None
                 and len(store.regions) == 1 and len(channels) <= 1
                 and self.evictor.score_source in ("position", *channels))
 
