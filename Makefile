@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/kvcompose generate --preset streamingllm --budget 128 --max-new-tokens 256
+	$(VENV)/bin/kvcompose generate --preset streamingllm --budget 64 --max-new-tokens 256
 
 test: setup
 	$(PY) -m pytest -q

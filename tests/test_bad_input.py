@@ -31,6 +31,9 @@ BUDGET_RKV = ("Policy 'rkv': budget={b} is smaller than this policy needs (9: 0 
               "tokens + 1 for trigger 'buffer'); use budget >= 9")
 NAN = ("layer 1: the model produced NaN/inf keys or values; the cache does not store them. Typical causes: fp16 "
        "overflow (run the model in bf16 or fp32), or NaN/inf already in the inputs or weights")
+REUSE_POSITIONS = ("layer 0: the cache already holds ... columns, but the new tokens start at position ... (expected "
+                   "...). A kvcompose cache serves one generation: make a new one with policy.make_cache(model), "
+                   "or call cache.reset() first")
 REUSE = ("layer 0: the cache already holds ... columns, but the attention mask covers ... columns for ... new ones "
          "(expected ...). A kvcompose cache serves one generation: make a new one with policy.make_cache(model), "
          "or call cache.reset() first")
@@ -111,6 +114,20 @@ def _second_generate(model):
     cache = Policy.from_preset("fullkv").make_cache(model)
     greedy(model, ids, mask, 4, cache=cache)
     greedy(model, ids, mask, 4, cache=cache)
+
+
+def _second_generate_unpadded(model):
+    cache = Policy.from_preset("fullkv").make_cache(model)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    greedy(model, ids, torch.ones_like(ids), 3, cache=cache)  # transformers drops the all-ones mask
+    greedy(model, ids, torch.ones_like(ids), 3, cache=cache)
+
+
+def _positions_restart(model):
+    cache = Policy.from_preset("fullkv").make_cache(model)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, past_key_values=cache)
+    model(input_ids=ids[:, :1], position_ids=torch.tensor([[2]]), past_key_values=cache)
 
 
 def _skipped_columns(model):
@@ -450,6 +467,8 @@ CASES = [
          "kvcompose caches cannot drop rows after prefill"),
     Case("reuse-generate", _second_generate, CacheReuseError, REUSE),
     Case("reuse-forward", _skipped_columns, CacheReuseError, REUSE),
+    Case("reuse-generate-unpadded", _second_generate_unpadded, CacheReuseError, REUSE_POSITIONS),
+    Case("reuse-forward-positions", _positions_restart, CacheReuseError, REUSE_POSITIONS),
     Case("nan-fullkv", _nan_keys("fullkv"), ValueError, NAN),
     Case("nan-fp8", _nan_keys("fp8"), ValueError, NAN),
     Case("generate-with-cache", lambda m: _generate(past_key_values=None)(m), ValueError,
@@ -605,18 +624,7 @@ def test_every_table_row_is_tested_and_every_test_is_in_the_table():
     assert tested - set(documented) == set(), "tests without a row"
 
 
-# ------------------------------------------------------------------------- known gaps (hf/)
-@pytest.mark.xfail(strict=True, reason="transformers' generate drops an all-ones attention mask, and the reuse check "
-                                       "(hf/cache.py _check_continues) reads only the mask: a second generate on an "
-                                       "unpadded batch silently continues the first run")
-def test_reuse_of_a_cache_on_an_unpadded_batch_is_refused(llama):
-    cache = Policy.from_preset("fullkv").make_cache(llama)
-    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
-    greedy(llama, ids, torch.ones_like(ids), 3, cache=cache)
-    with pytest.raises(CacheReuseError):
-        greedy(llama, ids, torch.ones_like(ids), 3, cache=cache)
-
-
+# ------------------------------------------------------------------------- the cache across forwards
 def test_a_forward_of_another_batch_size_names_the_cache_shape(llama):
     cache = Policy.from_preset("fullkv").make_cache(llama)
     ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))

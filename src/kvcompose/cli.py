@@ -35,11 +35,15 @@ def _cmd_generate(args) -> int:
     if args.budget is not None:
         overrides["budget"] = args.budget
     policy = Policy.from_preset(args.preset, **overrides)
+    if args.min_new_tokens is not None and args.min_new_tokens > args.max_new_tokens:
+        raise ValueError(f"--min-new-tokens must lie in [1, --max-new-tokens={args.max_new_tokens}], "
+                         f"got {args.min_new_tokens}")
     print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     model, tokenizer = models.load(args.model)
     out = policy.generate(
         model, tokenizer, [args.prompt], max_new_tokens=args.max_new_tokens,
-        do_sample=args.sample, progress=not args.quiet,
+        do_sample=args.sample, progress=not args.quiet, memory_basis=args.memory_basis,
+        **({"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else {}),
         **({"temperature": args.temperature} if args.sample else {}),
     )
     print(out.texts[0])
@@ -214,8 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=int, default=None, help="tokens kept per sequence and layer")
     _model_option(g)
     g.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    g.add_argument("--min-new-tokens", type=_positive_int, default=None,
+                   help="do not stop at EOS before this many new tokens (a longer run, to see eviction schedules "
+                        "that wait for many tokens, e.g. rkv's 128-token buffer)")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=_positive_float, default=0.7)
+    g.add_argument("--memory-basis", default="bfloat16", choices=["bfloat16", "float16", "float32", "model"],
+                   help="state memory against a full cache in this dtype (default bfloat16, what a GPU user runs; "
+                        "'model': the model's own dtype, float32 on CPU)")
     g.add_argument("--json", default=None, help="also write text, policy and report to this JSON file")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=_cmd_generate)

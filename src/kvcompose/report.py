@@ -1,18 +1,52 @@
-"""Memory and token accounting of a kvcompose cache, in one printable object."""
+"""Memory and token accounting of a kvcompose cache, in one printable object.
+
+Memory is stated on one basis: a full cache in a named dtype, bf16 by default, whatever
+dtype the model computes in. A CPU run computes in fp32, but its users serve in bf16:
+against an fp32 full cache every quantized format would look twice as small as it is.
+On that basis the tensors the cache holds in the model's dtype (full-precision blocks,
+the recent buffer) count at the basis dtype's width, which is exactly what the same
+cache holds when the model runs in that dtype; quantized payload and metadata do not
+change. The report also keeps the bytes as held in this run.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+def memory_dtype(basis) -> torch.dtype | None:
+    """A memory basis (a torch float dtype, one of its names, or None / ``"model"`` for the
+    model's own dtype) as a dtype or None; anything else is refused, naming what is accepted."""
+    if basis is None or basis == "model":
+        return None
+    if isinstance(basis, torch.dtype) and basis in _DTYPES.values():
+        return basis
+    if isinstance(basis, str) and basis in _DTYPES:
+        return _DTYPES[basis]
+    raise ValueError(f"unknown memory basis {basis!r}; accepted: {sorted(_DTYPES)}, a torch float dtype, "
+                     "or None / 'model' (the model's own dtype)")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
 
 @dataclass
 class Report:
-    """What a cache holds versus what a full cache of the same dtype would hold.
+    """What a cache holds versus what a full cache of the same tokens would hold.
 
-    Byte counts cover every layer. ``kv_bytes`` counts blocks in use (their empty
-    slots included), per-slot metadata, block tables and the recent buffer;
-    ``allocated_bytes`` adds the free blocks the pools keep for reuse.
-    ``full_kv_bytes`` is K+V of every real token seen, in the cache's dtype.
+    Byte counts cover every layer, on the report's ``basis`` (see the module docstring).
+    ``kv_bytes`` counts blocks in use (their empty slots included), per-slot metadata,
+    block tables and the recent buffer; ``allocated_bytes`` adds the free blocks the pools
+    keep for reuse (at most one per row and region in eager decoding; static decoding
+    reserves its capacity up front). ``full_kv_bytes`` is K+V of every real token seen in
+    the basis dtype. ``held_bytes``: in use, allocated and full as held in this run's
+    dtype (``dtype``).
     """
 
     kv_bytes: int
@@ -33,6 +67,9 @@ class Report:
     eviction_steps: int = 0  # forward passes in which a trigger fired and an evictor ran (even if it kept all)
     eviction_call_rate: float = 0.0  # eviction_steps / steps, in % (ThinKV Table 4's "call rate")
     time_s: dict | None = None  # seconds in attention / eviction / refresh (when cache.time_phases() is on)
+    dtype: str = ""  # what the model computes in (the dtype of the full-precision tensors held)
+    basis: str = ""  # the full cache's dtype that the byte counts and fractions are stated in
+    held_bytes: dict = field(default_factory=dict)  # {"in_use", "allocated", "full"} as held, in ``dtype``
 
     @classmethod
     def from_cache(cls, cache) -> "Report":
@@ -47,7 +84,9 @@ class Report:
                 values_per_block = pool.block_size * 2 * store.num_kv_heads * store.head_dim
                 live_bits += n * 8 * pool.payload_bytes_per_block / values_per_block
                 live += n
-        mems = [s.memory() for s in layers]
+        basis = cache.memory_basis or layers[0].dtype
+        mems = [s.memory(basis) for s in layers]
+        held = [s.memory() for s in layers]
 
         def total(key: str) -> int:
             return sum(m[key] for m in mems)
@@ -68,11 +107,14 @@ class Report:
             **cache.thoughts.report(),
             **cache.counters.report(),
             time_s=cache.timer.report(),
+            dtype=dtype_name(layers[0].dtype),
+            basis=dtype_name(basis),
+            held_bytes={k: sum(m[k] for m in held) for k in ("in_use", "allocated", "full")},
         )
 
     @property
     def memory_fraction(self) -> float:
-        """``kv_bytes / full_kv_bytes`` (1.0 for an empty cache)."""
+        """``kv_bytes / full_kv_bytes`` on the report's basis (1.0 for an empty cache)."""
         return self.kv_bytes / self.full_kv_bytes if self.full_kv_bytes else 1.0
 
     def to_dict(self) -> dict:
@@ -85,14 +127,20 @@ class Report:
             return f"{n / 2**20:8.2f} MiB"
 
         kept = [sum(row) / len(row) for row in zip(*self.tokens_kept)] if self.tokens_kept else []
-        lines = [
+        lines = [f"memory basis   a full {self.basis} cache of the same tokens"]
+        if self.dtype != self.basis:
+            lines[0] += (f" (this run computes in {self.dtype}; its full-precision tensors count at {self.basis} width, "
+                         f"as a {self.basis} run holds them; held here: {mib(self.held_bytes['in_use']).strip()} in use,"
+                         f" {mib(self.held_bytes['allocated']).strip()} allocated)")
+        lines += [
             f"KV in use      {mib(self.kv_bytes)}  ({100 * self.memory_fraction:.1f}% of full)",
             f"  payload      {mib(self.payload_bytes)}",
-            f"  metadata     {mib(self.metadata_bytes)}",
             f"  buffer       {mib(self.buffer_bytes)}",
+            f"  metadata     {mib(self.metadata_bytes)}",
             f"KV peak        {mib(self.peak_kv_bytes)}",
-            f"KV allocated   {mib(self.allocated_bytes)}",
-            f"full cache     {mib(self.full_kv_bytes)}",
+            f"KV allocated   {mib(self.allocated_bytes)}  ({100 * self.allocated_bytes / max(self.full_kv_bytes, 1):.1f}"
+            "% of full)",
+            f"full cache     {mib(self.full_kv_bytes)}  ({self.basis})",
             f"tokens seen    {self.tokens_seen}",
             f"tokens kept    {[round(k, 1) for k in kept]} (per sequence, mean over layers)",
             f"evictions      {self.evictions} (events, summed over layers); "

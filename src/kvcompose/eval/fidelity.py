@@ -22,7 +22,8 @@ Protocol (design §6), per batch of prompts:
 
 KL and NLL use the raw (unmasked) distributions: they measure the model, the argmax
 measures the decoding rule. Memory is ``cache.report().kv_bytes`` against
-``full_kv_bytes``: actual bytes, metadata, recent buffer and block rounding included.
+``full_kv_bytes`` on the report's basis, a bf16 full cache (see :mod:`kvcompose.report`):
+metadata, recent buffer and block rounding included.
 A batched replay shares one report; each row's share is the per-layer bytes split
 by the tokens each row keeps in that layer (exact for one prompt per batch, and the
 shares always sum to the report's total).
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 
 TOPK = 10
 KL_TOLERANCE = 1e-6
+MEMORY_BASIS = "bfloat16"  # memory is stated against a full cache in this dtype, whatever the model computes in
 MATCH_TOLERANCE = 5.0  # percentage points: a calibrated memory farther than this from the target is reported
 TRAJECTORY_ATTENTION = "sdpa"
 DEFAULT_PRESETS = ("fullkv", "streamingllm", "snapkv", "h2o", "rkv", "rpc")
@@ -320,7 +322,7 @@ def replay(model, trajectory: Trajectory, policy, *, label: str | None = None, r
     kv, full = torch.zeros(B, T, dtype=torch.float64), torch.zeros(B, T, dtype=torch.float64)
     batch_kv, batch_full = [], []
     with _attention(model, ATTENTION_NAME), torch.inference_mode():
-        cache = policy.make_cache(model)
+        cache = policy.make_cache(model, memory_basis=MEMORY_BASIS)
         if metrics:
             cache.observers.append(rec)
         ids, mask = trajectory.input_ids, trajectory.attention_mask
@@ -646,8 +648,8 @@ class FidelityResult:
             "",
             self.markdown(),
             "",
-            "KV mem %: the cache's `report().kv_bytes` (payload, metadata, buffer, block rounding) over the "
-            "full-KV payload of the same tokens, averaged over steps (mean) and at the last step (final). "
+            "KV mem %: the cache's `report().kv_bytes` (payload, metadata, buffer, block rounding) over a "
+            f"full {m['replay'].get('memory_basis', MEMORY_BASIS)} KV cache of the same tokens, averaged over steps (mean) and at the last step (final). "
             "top-1 agree: the policy's argmax equals the trajectory token. mean KL: KL(full ‖ policy) of the "
             "next-token distributions, nats. ΔNLL: mean NLL of the trajectory token under the policy minus under "
             f"full KV, nats. top-{k} recall: share of the {k} keys with the highest full-KV attention (per layer "
@@ -825,6 +827,7 @@ def compare(model, tokenizer, prompts: list[str], policies: dict, *, max_new_tok
         "replay": {"attention": "kvcompose", "topk": topk, "batch_size": batch_size,
                    "memory": "report().kv_bytes / full_kv_bytes after each step; in a batch, each row gets the "
                              "per-layer bytes split by the tokens it keeps (exact with batch_size=1)",
+                   "memory_basis": MEMORY_BASIS,
                    "kl": "KL(full || policy), raw distributions, float64 log-softmax"},
         "selection": selection or {},
         "prompts": len(prompt_records),

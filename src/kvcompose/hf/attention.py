@@ -48,6 +48,8 @@ def kvcompose_attention(module, query, key, value, attention_mask, scaling=None,
             )
         real = attention_mask[:, -query.shape[-2] :].to(torch.bool)
         columns = attention_mask.shape[-1]
+    elif layer.layer_idx == 0:  # no mask (transformers drops an all-ones one): the positions tell
+        layer.check_positions(kwargs.get("position_ids"))
     return layer.attend(query, key, value, real, scaling, columns), None
 
 

@@ -22,6 +22,7 @@ from ..paging import LayerStore, StoreView
 from .attention import ATTENTION_NAME, LAYER_ATTR, CacheReuseError, UnsupportedModelError
 from .counters import StepCounters
 from .thoughts import ThoughtTracker
+from ..report import memory_dtype
 from .timing import PhaseTimer
 
 if TYPE_CHECKING:
@@ -160,11 +161,27 @@ class KVComposeLayer(CacheLayerMixin):
     def _check_continues(self, columns: int | None, new: int) -> None:
         seen = self.store.columns_seen
         if columns is not None and columns != seen + new:
-            raise CacheReuseError(
-                f"layer {self.layer_idx}: the cache already holds {seen} columns, but the attention mask covers "
-                f"{columns} columns for {new} new ones (expected {seen + new}). A kvcompose cache serves one "
-                "generation: make a new one with policy.make_cache(model), or call cache.reset() first"
-            )
+            self._refuse_reuse(f"the attention mask covers {columns} columns for {new} new ones (expected {seen + new})")
+
+    def check_positions(self, position_ids) -> None:
+        """Without an attention mask, the new tokens of a used cache must start at the position after
+        the columns it holds (a second ``generate`` on the same cache restarts them). Eager steps
+        only: it reads the device (static decode steps are the cache's own and are not checked)."""
+        seen = self.store.columns_seen if self.store is not None else 0
+        if seen == 0 or self.cache.step_plan is not None or not isinstance(position_ids, torch.Tensor):
+            return
+        if position_ids.ndim != 2:  # e.g. multimodal rotary positions: not ours to read
+            return
+        first = position_ids[:, 0]
+        if not bool((first == seen).all()):
+            self._refuse_reuse(f"the new tokens start at position {first.tolist()} (expected {seen})")
+
+    def _refuse_reuse(self, what: str) -> None:
+        raise CacheReuseError(
+            f"layer {self.layer_idx}: the cache already holds {self.store.columns_seen} columns, but {what}. A "
+            "kvcompose cache serves one generation: make a new one with policy.make_cache(model), or call "
+            "cache.reset() first"
+        )
 
     def _paged_attention(self, query, positions, scaling):
         """The fused decode attention over the store's blocks and buffer (no dense view)."""
@@ -248,8 +265,12 @@ def _attention_with_probs(query, keys, values, mask, scaling):
 class KVComposeCache(Cache):
     """A transformers cache whose layers live in the kvcompose paged store."""
 
-    def __init__(self, policy: "Policy", num_layers: int, fused_attention: bool = True):
+    def __init__(self, policy: "Policy", num_layers: int, fused_attention: bool = True,
+                 memory_basis: "torch.dtype | str | None" = torch.bfloat16):
         self.policy = policy
+        # The dtype of the full cache that memory figures compare with (None: the model's own);
+        # see kvcompose.report.
+        self.memory_basis = memory_dtype(memory_basis)
         # Decode steps attend through the fused paged kernel (Triton on CUDA, its torch
         # reference elsewhere); False: always the dense view + SDPA (the eager reference).
         self.fused_attention = fused_attention
@@ -286,10 +307,10 @@ class KVComposeCache(Cache):
 
     def _note_memory(self, layer_idx: int) -> None:
         if self._in_use_device is not None:
-            self._in_use_device[layer_idx] = self.layers[layer_idx].store.bytes_in_use()
+            self._in_use_device[layer_idx] = self.layers[layer_idx].store.bytes_in_use(self.memory_basis)
             torch.maximum(self._peak_device, self._in_use_device.sum(), out=self._peak_device)
             return
-        self._in_use[layer_idx] = self.layers[layer_idx].store.memory()["in_use"]
+        self._in_use[layer_idx] = self.layers[layer_idx].store.memory(self.memory_basis)["in_use"]
         self._peak = max(self._peak, sum(self._in_use))
 
     def fix_capacity(self, tokens: int) -> None:

@@ -59,14 +59,17 @@ FAST_KWARGS = {"eos_token_id", "pad_token_id"}  # what the static-shape path tak
 
 
 def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat: bool | None = None,
-             progress: bool = False, fast: bool | None = None, **generate_kwargs) -> GenerationOutput:
+             progress: bool = False, fast: bool | None = None, memory_basis="bfloat16",
+             **generate_kwargs) -> GenerationOutput:
     """Generate under ``policy`` and return texts, generated ids and the memory report.
 
     ``fast``: decode through the static-shape path (:func:`kvcompose.hf.static.fast_generate`:
     greedy, CUDA graphs on a GPU). ``None`` picks it on CUDA for greedy decoding with no
     other ``model.generate`` options; ``False`` runs ``model.generate`` eagerly with every
     option. The model's attention implementation is switched to ``kvcompose`` for the
-    call and restored afterwards. Extra keyword arguments go to ``model.generate``.
+    call and restored afterwards. ``memory_basis``: the full cache's dtype that the report
+    states memory against (see :mod:`kvcompose.report`). Extra keyword arguments go to
+    ``model.generate``.
     """
     if "past_key_values" in generate_kwargs:
         raise ValueError("policy.generate makes its own cache; do not pass past_key_values")
@@ -83,7 +86,7 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     try:
-        cache = policy.make_cache(model)
+        cache = policy.make_cache(model, memory_basis=memory_basis)
         if fast:
             out = _fast(model, tokenizer, cache, enc, max_new_tokens, generate_kwargs)
         else:

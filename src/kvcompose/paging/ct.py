@@ -6,7 +6,8 @@ same class, when their group leaves the recent buffer, are written into those ho
 before the row takes a new block, so a block always holds tokens of one class (one
 region per class) and the gather copy of :class:`~kvcompose.paging.GatherPager` never
 happens. Attention does not care about slot order, so the tokens of a block need not
-be in position order; every slot carries its absolute position.
+be in position order; every slot carries its absolute position. A block whose tokens
+were all evicted goes back to the pool (nothing moves), where any class can take it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class ContinuousThinkingPager(Pager):
             for name, flat in pool.flat_slots(pool.meta).items():
                 flat[slots] = -1 if name == "pos" else 0
             region.has_holes = True
+            region.release_empty_blocks()
         cols = view.block_columns
         store.refill_buffer(store.buf_k, store.buf_v, store.buf_meta, keep[:, cols:])
+        store.return_free_blocks()
         store.evictions += 1

@@ -2,9 +2,9 @@
 
 Evicted tokens leave holes; this pager copies each affected row's kept tokens into
 fresh blocks of the same region (in position order, payload copied as stored, never
-re-encoded), returns the old blocks to their pool, and packs the recent buffer. The
-pools therefore stop growing once a steady state is reached: the blocks a compaction
-frees are the ones the next compaction takes.
+re-encoded), returns the old blocks to their pool, and packs the recent buffer. A pool
+left with more than one free block per row and region gives the rest back
+(:meth:`LayerStore.return_free_blocks`), so allocation follows the kept tokens.
 """
 
 from __future__ import annotations
@@ -57,4 +57,5 @@ class GatherPager(Pager):
             region.place(kept, slots, {}, meta)
         cols = view.block_columns
         store.refill_buffer(store.buf_k, store.buf_v, store.buf_meta, keep[:, cols:])
+        store.return_free_blocks()
         store.evictions += 1

@@ -1,5 +1,8 @@
 """A pool of fixed-size blocks of token slots, with a free list that is reused first.
 
+The pool grows by exactly the blocks a request lacks and gives free blocks back
+(:meth:`BlockPool.keep_only`), so what it allocates follows what its tokens need.
+
 One pool holds blocks of one storage format (its :class:`SlotCodec`). Blocks are
 handed out by id; a slot is addressed as ``block_id * block_size + offset``. The
 payload tensors come from the codec; per-slot metadata lives beside them in named
@@ -101,7 +104,7 @@ class BlockPool:
             if self.trash_slot is not None:
                 raise ValueError(f"pool {self.codec.name!r}: its capacity is fixed (static decode) and {n} blocks "
                                  f"were asked for with {self.num_free} free")
-            self._grow(max(n - self.num_free, self.capacity))
+            self._grow(n - self.num_free)
         ids = self._free[self.num_free - n : self.num_free].clone()
         self.num_free -= n
         return ids
@@ -115,6 +118,23 @@ class BlockPool:
         self.meta["pos"][ids] = -1
         self._free[self.num_free : self.num_free + n] = ids
         self.num_free += n
+
+    def keep_only(self, used: torch.Tensor) -> torch.Tensor:
+        """Give back every block but ``used`` (the ids still referenced, each once): those move
+        to ids ``0 .. len(used) - 1`` and the pool shrinks to them. Returns ``[old capacity]``
+        mapping each old id to its new one (-1 for a block given back); the caller rewrites
+        its block tables with it. Not in static mode, where the tensors must not move."""
+        if self.trash_slot is not None:
+            raise ValueError(f"pool {self.codec.name!r}: its capacity is fixed (static decode); it cannot shrink")
+        remap = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
+        remap[used] = torch.arange(used.numel(), device=self.device)
+        self.slots = {n: t[used] for n, t in self.slots.items()}
+        self.blocks = {n: t[used] for n, t in self.blocks.items()}
+        self.meta = {n: t[used] for n, t in self.meta.items()}
+        self.capacity = used.numel()
+        self._free = torch.empty(self.capacity, dtype=torch.long, device=self.device)
+        self.num_free = 0
+        return remap
 
     def _grow(self, extra: int) -> None:
         old = self.capacity

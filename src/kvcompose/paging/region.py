@@ -123,6 +123,26 @@ class Region:
         self.num_blocks.masked_fill_(rows, 0)
         self.length.masked_fill_(rows, 0)
 
+    def release_empty_blocks(self) -> None:
+        """Eager mode: give every block whose written slots were all evicted back to the pool;
+        the row's later blocks move up a column. What the ``ct`` pager leaves behind when a
+        whole block of a class is evicted, so that another class can take it."""
+        if self.static or self.table.shape[1] == 0:
+            return
+        bs = self.pool.block_size
+        cols = torch.arange(self.table.shape[1], device=self.device)[None, :]
+        owned = cols < self.num_blocks[:, None]
+        live = self.pool.meta["valid"][self.table.clamp(min=0)].any(-1)
+        empty = owned & ~live
+        if not bool(empty.any()):
+            return
+        written = (self.length[:, None] - cols * bs).clamp(min=0, max=bs)
+        self.pool.release(self.table[empty])
+        order = torch.argsort(empty.to(torch.int8), dim=1, stable=True)  # kept columns first, in order
+        self.num_blocks -= empty.sum(1)
+        self.length -= (written * empty).sum(1)
+        self.table = torch.where(cols < self.num_blocks[:, None], self.table.gather(1, order), -1)
+
     def fix_width(self, width: int) -> None:
         """Static mode: give every row ``width`` blocks now (keeping the ones it has), so that
         appends never allocate, and keep all state in these tensors from now on."""

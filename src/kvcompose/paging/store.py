@@ -93,21 +93,21 @@ class LayerStore:
             for name, p in pools.items()
         }
         self.row_scales_set = {name: torch.zeros(batch_size, dtype=torch.bool, device=device) for name in pools}
-        # One slot more than the buffer ever keeps between appends: a static-shape decode
-        # step writes its token before the oldest group leaves (see append_step).
-        B, cap = batch_size, residual + group_size
-        self.buf_k = torch.zeros(B, cap, num_kv_heads, head_dim, dtype=dtype, device=device)
+        # The buffer's most: one slot more than it ever keeps between appends, since a
+        # static-shape decode step writes its token before the oldest group leaves (see
+        # append_step). The eager path grows it a block at a time as tokens arrive.
+        self.buffer_capacity = residual + group_size
+        self.buf_k = torch.zeros(batch_size, 0, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.buf_v = torch.zeros_like(self.buf_k)
         meta_dtypes = {"pos": torch.long, "valid": torch.bool, "cls": torch.long}
         meta_dtypes.update({name: torch.float32 for name in float_channels})
-        self.buf_meta = {name: torch.zeros(B, cap, dtype=d, device=device) for name, d in meta_dtypes.items()}
-        self.buf_meta["pos"].fill_(-1)
-        self.buf_len = torch.zeros(B, dtype=torch.long, device=device)
+        self.buf_meta = {name: torch.zeros(batch_size, 0, dtype=d, device=device) for name, d in meta_dtypes.items()}
+        self.buf_len = torch.zeros(batch_size, dtype=torch.long, device=device)
         # Counters: columns seen (padding included, as transformers counts them), real tokens.
         self.columns_seen = 0
         self.prompt_columns: int | None = None
-        self.tokens_seen = torch.zeros(B, dtype=torch.long, device=device)
-        self.prompt_tokens = torch.zeros(B, dtype=torch.long, device=device)
+        self.tokens_seen = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.prompt_tokens = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.evictions = 0
         self.evictions_on_device = torch.zeros((), dtype=torch.long, device=device)  # static decode's in-place ones
         # Non-zero once a real token's key or value was NaN/inf; read by check_errors (no sync here).
@@ -217,6 +217,8 @@ class LayerStore:
         r, d = rows[keep], dest[keep]
         # Read before clearing: ``k``/``v``/``meta`` may be the buffer itself.
         picked = [k[keep], v[keep]] + [meta[name][keep] for name in self.buf_meta]
+        if not self.static:
+            self._grow_buffer(int(keep.sum(1).max()) if self.batch_size else 0)
         self.buf_k.zero_()
         self.buf_v.zero_()
         self.buf_k[r, d] = picked[0]
@@ -225,6 +227,25 @@ class LayerStore:
             t.fill_(-1 if name == "pos" else 0)
             t[r, d] = vals
         self.buf_len.copy_(keep.sum(1))
+
+    def _grow_buffer(self, tokens: int) -> None:
+        """Widen the buffer, a block at a time, until every row has room for ``tokens`` (eager mode)."""
+        bs = min(p.block_size for p in self.pools.values())
+        width = min(-(-tokens // bs) * bs, self.buffer_capacity)
+        if width < tokens:
+            raise ValueError(f"the recent buffer holds at most {self.buffer_capacity} tokens per row; {tokens} were "
+                             "written to it (a kvcompose bug: please report it)")
+        old = self.buf_k.shape[1]
+        if width <= old:
+            return
+
+        def wider(t: torch.Tensor, fill) -> torch.Tensor:
+            out = torch.full((t.shape[0], width, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
+            out[:, :old] = t
+            return out
+
+        self.buf_k, self.buf_v = wider(self.buf_k, 0), wider(self.buf_v, 0)
+        self.buf_meta = {n: wider(t, -1 if n == "pos" else 0) for n, t in self.buf_meta.items()}
 
     # ----------------------------------------------------------- static mode
     def fix_capacity(self, tokens: int) -> None:
@@ -240,6 +261,7 @@ class LayerStore:
             pool.fix_capacity(need)
             for region in regions:
                 region.fix_width(width)
+        self._grow_buffer(self.buffer_capacity)
         self.column = torch.full((), self.columns_seen, dtype=torch.long, device=self.device)
         self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)
         self.static = True
@@ -281,18 +303,53 @@ class LayerStore:
             t.copy_(torch.where(full.view(-1, *[1] * (t.dim() - 1)), shifted, t))
         self.buf_len -= full * G
 
-    def bytes_in_use(self) -> torch.Tensor:
-        """:meth:`memory`'s ``in_use`` as a device scalar (no host synchronization)."""
-        per_block = {id(p): p.bytes_per_block for p in self.pools.values()}
-        blocks = sum(r.blocks_written() * per_block[id(r.pool)] for r in self.regions)
-        return blocks + self._fixed_bytes()
+    def return_free_blocks(self) -> None:
+        """Shrink every pool that keeps more free blocks than one per (row, region it serves):
+        the blocks in use move to the lowest ids (payload and metadata as stored, nothing is
+        re-encoded) and the block tables follow. Pagers call it after evicting, so allocated
+        bytes stay within one block per (row, region) of the bytes in use. Eager mode only:
+        in static mode the capacity is fixed on purpose."""
+        if self.static:
+            return
+        for pool in self.pools.values():
+            regions = [r for r in self.regions if r.pool is pool]
+            if pool.num_free <= self.batch_size * len(regions):
+                continue
+            used = torch.cat([r.table[r.table >= 0] for r in regions])
+            remap = pool.keep_only(used)
+            for region in regions:
+                region.table = torch.where(region.table >= 0, remap[region.table.clamp(min=0)], -1)
 
-    def _fixed_bytes(self) -> int:
-        """Bytes that do not depend on what is stored: block tables, row scales, the buffer."""
+    def bytes_in_use(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """:meth:`memory`'s ``in_use`` as a device scalar (no host synchronization)."""
+        sizes = self._sizes(dtype)
+        blocks = sum(r.blocks_written() * sum(sizes["block"][id(r.pool)]) for r in self.regions)
+        return blocks + sizes["tables"] + sizes["buffer"] + sizes["buffer_meta"]
+
+    def _sizes(self, dtype: torch.dtype | None) -> dict:
+        """Bytes per block of each pool (payload, metadata) and of what does not depend on
+        what is stored (block tables with row scales, the buffer's K/V, its metadata), with the
+        tensors held in the model's dtype (full-precision blocks, the buffer) counted at
+        ``dtype``'s width (None: as held)."""
+        held = self.buf_k.element_size()
+        width = held if dtype is None else torch.empty(0, dtype=dtype).element_size()
+
+        def at_width(n: int) -> int:
+            return n * width // held
+
+        def follows_model(pool: BlockPool) -> bool:
+            return isinstance(pool.codec, DenseCodec) and pool.codec.dtype == self.dtype
+
+        block = {id(p): ((at_width(p.payload_bytes_per_block) if follows_model(p) else p.payload_bytes_per_block),
+                         p.meta_bytes_per_block) for p in self.pools.values()}
         tables = sum(r.table_bytes for r in self.regions)
         tables += sum(t.numel() * t.element_size() for s in self.row_scales.values() for t in s.values())
-        buffer = 2 * self.buf_k.numel() * self.buf_k.element_size()
-        return tables + buffer + sum(t.numel() * t.element_size() for t in self.buf_meta.values())
+        return {
+            "block": block, "tables": tables,
+            "buffer": at_width(2 * self.buf_k.numel() * held),
+            "buffer_meta": sum(t.numel() * t.element_size() for t in self.buf_meta.values()),
+            "full_per_token": at_width(2 * self.num_kv_heads * self.head_dim * held),
+        }
 
     # ------------------------------------------------------------------- view
     def view(self) -> StoreView:
@@ -482,23 +539,31 @@ class LayerStore:
         return [self.nonfinite] + [f.reshape(1) for f in self._overflow_flags()] + [
             f for f in (pool.codec.error_flags() for pool in self.pools.values()) if f is not None]
 
-    def memory(self) -> dict[str, int]:
-        """Bytes this layer holds, split by what they are for. Blocks count once they hold a
-        written slot (static mode reserves more: see ``allocated``)."""
-        payload = block_meta = 0
+    def memory(self, dtype: torch.dtype | None = None) -> dict[str, int]:
+        """Bytes this layer holds, split by what they are for: ``payload`` (blocks' K/V codes and
+        scales), ``buffer`` (the recent buffer's K/V), ``metadata`` (per-slot positions and live
+        bits, block tables, per-sequence scales). Blocks count once they hold a written slot
+        (static mode reserves more: see ``allocated``). ``full``: K/V of every real token seen.
+
+        ``dtype``: count what is held in the model's dtype (full-precision blocks, the buffer,
+        the full cache) at that dtype's width, i.e. what this cache holds when the model runs
+        in ``dtype``; quantized payload and metadata do not depend on it. None: as held."""
+        sizes = self._sizes(dtype)
+        payload = block_meta = allocated = 0
         for r in self.regions:
             blocks = int(r.blocks_written())
-            payload += blocks * r.pool.payload_bytes_per_block
-            block_meta += blocks * r.pool.meta_bytes_per_block
-        tables = sum(r.table_bytes for r in self.regions)
-        tables += sum(t.numel() * t.element_size() for s in self.row_scales.values() for t in s.values())
-        buffer = self._fixed_bytes() - tables
-        full_per_token = 2 * self.num_kv_heads * self.head_dim * self.buf_k.element_size()
+            per_payload, per_meta = sizes["block"][id(r.pool)]
+            payload += blocks * per_payload
+            block_meta += blocks * per_meta
+        for pool in self.pools.values():
+            allocated += pool.capacity * sum(sizes["block"][id(pool)])
+        metadata = block_meta + sizes["tables"] + sizes["buffer_meta"]
+        fixed = sizes["tables"] + sizes["buffer"] + sizes["buffer_meta"]
         return {
             "payload": payload,
-            "metadata": block_meta + tables,
-            "buffer": buffer,
-            "in_use": payload + block_meta + tables + buffer,
-            "allocated": sum(p.capacity * p.bytes_per_block for p in self.pools.values()) + tables + buffer,
-            "full": int(self.tokens_seen.sum()) * full_per_token,
+            "metadata": metadata,
+            "buffer": sizes["buffer"],
+            "in_use": payload + metadata + sizes["buffer"],
+            "allocated": allocated + fixed,
+            "full": int(self.tokens_seen.sum()) * sizes["full_per_token"],
         }

@@ -206,15 +206,17 @@ class Policy:
             float_channels=tuple(getattr(self.evictor, "slot_channels", ())), codecs=codecs,
         )
 
-    def make_cache(self, model, fused_attention: bool = True):
+    def make_cache(self, model, fused_attention: bool = True, memory_basis="bfloat16"):
         """A fresh transformers cache for ``model`` (which must use ``attn_implementation="kvcompose"``).
 
-        ``fused_attention=False`` keeps every step on the dense view + SDPA (the eager reference)."""
+        ``fused_attention=False`` keeps every step on the dense view + SDPA (the eager reference).
+        ``memory_basis``: the dtype of the full cache its report states memory against (see
+        :mod:`kvcompose.report`; None: the model's own dtype)."""
         from ..hf.cache import KVComposeCache
         from ..hf.model_check import check_model
 
         num_layers = check_model(model)
-        return KVComposeCache(self, num_layers, fused_attention=fused_attention)
+        return KVComposeCache(self, num_layers, fused_attention=fused_attention, memory_basis=memory_basis)
 
     def generate(self, model, tokenizer, prompts, max_new_tokens: int = 256, **generate_kwargs):
         """Generate for a list of prompts under this policy; see :func:`kvcompose.hf.generate`."""
