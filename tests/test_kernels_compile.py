@@ -41,3 +41,37 @@ def test_attention_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "compiled 13 kernels" in done.stdout, done.stdout
+
+
+REDUNDANCY_COMPILE = """
+import sys
+sys.path.insert(0, {bench!r})
+from kernel_sass import compile_for_hopper
+from kvcompose.ops import redundancy as r
+
+sig = {{"k_ptr": "*bf16", "r_ptr": "*fp32", "pos_ptr": "*i32", "row_sum_ptr": "*fp32", "col_ptr": "*i64",
+        "sim_ptr": "*fp32", "L": "i32", "H": "i32", "tiles": "i32", "stride_kb": "i32", "stride_kh": "i32",
+        "stride_kl": "i32", "threshold": "fp32"}}
+count = 0
+for keys, beta, prec in (("bf16", False, "tf32"), ("bf16", True, "tf32"), ("fp16", True, "tf32")):
+    consts = dict(D=128, DP=128, BM=r.BLOCK_ROWS, BN=r.BLOCK_COLS, BETA=beta, PREC=prec, NATIVE=True)
+    compile_for_hopper(r._redundancy_kernel, {{**sig, "k_ptr": "*" + keys}}, consts, r.WARPS)
+    count += 1
+# fp32 keys (an IEEE fp32 dot) on small tiles: at the launch tiles ptxas takes over half a minute.
+consts = dict(D=32, DP=32, BM=32, BN=16, BETA=True, PREC="ieee", NATIVE=True)
+compile_for_hopper(r._redundancy_kernel, {{**sig, "k_ptr": "*fp32"}}, consts, r.WARPS)
+# One candidate (the JIT makes an int argument equal to 1 a constant) and a padded head dim.
+one = {{n: t for n, t in sig.items() if n != "L"}}
+consts = dict(L=1, D=96, DP=128, BM=16, BN=16, BETA=True, PREC="tf32", NATIVE=True)
+compile_for_hopper(r._redundancy_kernel, {{**one, "L": "constexpr"}}, consts, r.WARPS)
+print(f"compiled {{count + 2}} kernels")
+"""
+
+
+@pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs Triton with ASTSource and its bundled ptxas")
+def test_redundancy_kernel_compiles_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = REDUNDANCY_COMPILE.format(bench=str(SCRIPT.parent))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "compiled 5 kernels" in done.stdout, done.stdout

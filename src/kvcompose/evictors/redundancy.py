@@ -23,8 +23,13 @@ first. The code spares exactly one token (β=1) and, for a token with no similar
 partner, wrongly spares slot 0; here β is a field and a token without similar
 partners spares nothing. Below-threshold similarities still count in the mean, as
 in Eq. 6. The paper selects per head; our store keeps one set per (sequence,
-layer), so ``Z`` is averaged over KV heads. The similarity matrix is
-``[B, Hkv, L, L]``: memory grows with the square of the candidate count.
+layer), so ``Z`` is averaged over KV heads.
+
+Cost. The column sums of the edited ``S`` come from
+:func:`kvcompose.ops.redundancy.redundancy_column_sums`. On CUDA with β ≤ 1 a fused
+Triton kernel streams ``S`` in tiles: memory is linear in the candidate count ``L``
+(no ``[B, Hkv, L, L]`` matrix), time still quadratic. β > 1, and CPU tensors, use the
+dense torch reference, whose ``[B, Hkv, L, L]`` fp32 matrix grows with ``L²``.
 """
 
 from __future__ import annotations
@@ -33,11 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.redundancy import redundancy_column_sums
 from ..registry import register
 from .attention import AttentionEvictor, check_int, check_range, reduce_heads
 from .base import EvictionContext
-
-EPS = 1e-8  # R-KV Eq. 5's guard against zero-norm keys
 
 
 @register("evictor", "rkv")
@@ -62,24 +66,9 @@ class RKVEvictor(AttentionEvictor):
 
     def head_redundancy(self, ctx: EvictionContext) -> torch.Tensor:
         """Redundancy per KV head, ``[B, Hkv, L]``: a softmax over each row's live tokens, zero elsewhere."""
-        keys = ctx.keys.float()
-        unit = keys / (keys.norm(dim=-1, keepdim=True) + EPS)
-        sim = unit @ unit.transpose(-1, -2)  # [B, Hkv, L, L]; sim[..., i, j]
-        L = sim.shape[-1]
-        pair = ctx.valid[:, None, :, None] & ctx.valid[:, None, None, :]
-        pair = pair & ~torch.eye(L, dtype=torch.bool, device=sim.device)
-        sim = sim.masked_fill(~pair, 0.0)
-        beta = min(self.keep_recent_similar, L)
-        if beta > 0:
-            # Position of every similar partner j of i (-1 otherwise); the top β are i's newest look-alikes.
-            # float32 positions are exact below 2**24 and take half the memory of int64.
-            pos = ctx.positions.to(torch.float32)[:, None, None, :]
-            similar_pos = torch.where(pair & (sim > self.threshold), pos, torch.full_like(pos, -1.0))
-            newest = similar_pos.topk(beta, dim=-1)
-            spared = torch.zeros_like(sim, dtype=torch.bool).scatter_(-1, newest.indices, newest.values >= 0)
-            sim = sim.masked_fill(spared, 0.0)
-        live = ctx.valid.sum(dim=1).clamp(min=1).to(sim.dtype)
-        mean_sim = sim.sum(dim=-2) / live[:, None, None]  # column mean: how much each j repeats the others
+        sums = redundancy_column_sums(ctx.keys, ctx.valid, ctx.positions, self.threshold, self.keep_recent_similar)
+        live = ctx.valid.sum(dim=1).clamp(min=1).to(sums.dtype)
+        mean_sim = sums / live[:, None, None]  # column mean: how much each j repeats the others
         valid_h = ctx.valid[:, None, :].expand_as(mean_sim)
         redundancy = mean_sim.masked_fill(~valid_h, float("-inf")).softmax(dim=-1)
         return torch.where(valid_h, redundancy, torch.zeros_like(redundancy))
