@@ -21,26 +21,9 @@ EPS = 1e-8
 
 
 def old_head_redundancy(keys, valid, positions, threshold, beta) -> torch.Tensor:
-    """``RKVEvictor.head_redundancy`` as it was before the op (dense ``[B, Hkv, L, L]``): the oracle."""
-    keys = keys.float()
-    unit = keys / (keys.norm(dim=-1, keepdim=True) + EPS)
-    sim = unit @ unit.transpose(-1, -2)
-    L = sim.shape[-1]
-    pair = valid[:, None, :, None] & valid[:, None, None, :]
-    pair = pair & ~torch.eye(L, dtype=torch.bool, device=sim.device)
-    sim = sim.masked_fill(~pair, 0.0)
-    beta = min(beta, L)
-    if beta > 0:
-        pos = positions.to(torch.float32)[:, None, None, :]
-        similar_pos = torch.where(pair & (sim > threshold), pos, torch.full_like(pos, -1.0))
-        newest = similar_pos.topk(beta, dim=-1)
-        spared = torch.zeros_like(sim, dtype=torch.bool).scatter_(-1, newest.indices, newest.values >= 0)
-        sim = sim.masked_fill(spared, 0.0)
-    live = valid.sum(dim=1).clamp(min=1).to(sim.dtype)
-    mean_sim = sim.sum(dim=-2) / live[:, None, None]
-    valid_h = valid[:, None, :].expand_as(mean_sim)
-    redundancy = mean_sim.masked_fill(~valid_h, float("-inf")).softmax(dim=-1)
-    return torch.where(valid_h, redundancy, torch.zeros_like(redundancy))
+    """``RKVEvictor.head_redundancy`` as it was before the op: the dense reference's column
+    sums (the evictor's old code, moved into the op module), then the mean and softmax."""
+    return redundancy_from_sums(redundancy_column_sums_torch(keys, valid, positions, threshold, beta), valid)
 
 
 def redundancy_from_sums(sums, valid) -> torch.Tensor:
