@@ -131,13 +131,15 @@ def test_overrides_budgets_and_labels():
 
 
 def test_match_memory_picks_the_closest_measured_budget(model, batch):
+    # On this tiny model (2 KV heads x 16) per-slot metadata is large next to a bf16 token, so
+    # streamingllm cannot go below ~68% of a bf16 full cache in 40 steps: the target sits above that.
     traj = greedy_trajectory(model, *batch, max_new_tokens=40).select(1)
-    chosen, records = match_memory(model, traj, ["fullkv", "streamingllm"], 60.0)
+    chosen, records = match_memory(model, traj, ["fullkv", "streamingllm"], 70.0)
     (rec,) = records
     assert rec["knob"] == "budget" and rec["preset"] == "streamingllm"
     tried = {int(k): v for k, v in rec["tried"].items()}
-    assert rec["measured_pct"] == min(tried.values(), key=lambda m: abs(m - 60.0))
-    assert rec["reached"] and abs(rec["measured_pct"] - 60.0) <= 5
+    assert rec["measured_pct"] == min(tried.values(), key=lambda m: abs(m - 70.0))
+    assert rec["reached"] and abs(rec["measured_pct"] - 70.0) <= 5
     assert set(chosen) == {"fullkv", f"streamingllm@{rec['value']}"}
 
 
