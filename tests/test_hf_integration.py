@@ -85,15 +85,19 @@ def test_freed_blocks_are_reused(llama):
     _, ids, mask = left_padded([30, 12])
     cache, _ = _step_by_step(llama, policy, ids, mask, steps=5)
     mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], dim=1)  # the columns the cache has seen
-    capacity = [layer.store.regions[0].pool.capacity for layer in cache.layers]
     evictions = sum(layer.store.evictions for layer in cache.layers)
+    capacity = []  # per step, per layer
     with torch.no_grad():
         for _ in range(80):
             nxt = torch.full((2, 1), 7)
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             llama(input_ids=nxt, attention_mask=mask, past_key_values=cache)
+            pools = [layer.store.regions[0].pool for layer in cache.layers]
+            assert all(p.num_free <= 2 for p in pools), "more than one free block per row"
+            capacity.append([p.capacity for p in pools])
     assert sum(layer.store.evictions for layer in cache.layers) > evictions + 100
-    assert [layer.store.regions[0].pool.capacity for layer in cache.layers] == capacity
+    first, last = capacity[:40], capacity[40:]  # the blocks evictions free are the ones later steps take
+    assert all(max(a) <= max(b) for a, b in zip(zip(*last), zip(*first)))
 
 
 def test_cache_reports_tokens_seen_not_kept(llama):
