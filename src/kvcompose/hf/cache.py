@@ -19,10 +19,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..ops.paged_attention import paged_decode_attention
 from ..paging import LayerStore, StoreView
+from ..report import memory_dtype
 from .attention import ATTENTION_NAME, LAYER_ATTR, CacheReuseError, UnsupportedModelError
 from .counters import StepCounters
 from .thoughts import ThoughtTracker
-from ..report import memory_dtype
 from .timing import PhaseTimer
 
 if TYPE_CHECKING:

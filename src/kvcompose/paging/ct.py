@@ -7,7 +7,8 @@ before the row takes a new block, so a block always holds tokens of one class (o
 region per class) and the gather copy of :class:`~kvcompose.paging.GatherPager` never
 happens. Attention does not care about slot order, so the tokens of a block need not
 be in position order; every slot carries its absolute position. A block whose tokens
-were all evicted goes back to the pool (nothing moves), where any class can take it.
+were all evicted goes back to the pool, where any class can take it; no token leaves its
+block or its offset (the pool may renumber whole blocks when it gives free ones back).
 """
 
 from __future__ import annotations
