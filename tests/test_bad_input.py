@@ -347,6 +347,8 @@ CASES = [
          "Policy needs both an evictor and a trigger to compress (or neither for a full cache); "
          "got evictor=..., trigger=None"),
     Case("no-pager", lambda _: P(pager=None), ValueError, "Policy.pager is required; known pagers: ct, gather"),
+    Case("ct-hole-limit", lambda _: P.from_preset("thinkv", pager={"max_hole_blocks": 0}), ValueError,
+         "ct pager: max_hole_blocks=0; accepted: an integer >= 1, or None to never move tokens"),
     # budgets and the other policy fields
     *[Case(f"budget-{value!r}", lambda _, v=value: P.from_preset("streamingllm", budget=v), ValueError,
            "Policy.budget must be an integer >= 1, got ...") for value in (0, -3, 1.5, "64", True)],

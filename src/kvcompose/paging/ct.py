@@ -7,8 +7,16 @@ before the row takes a new block, so a block always holds tokens of one class (o
 region per class) and the gather copy of :class:`~kvcompose.paging.GatherPager` never
 happens. Attention does not care about slot order, so the tokens of a block need not
 be in position order; every slot carries its absolute position. A block whose tokens
-were all evicted goes back to the pool, where any class can take it; no token leaves its
-block or its offset (the pool may renumber whole blocks when it gives free ones back).
+were all evicted goes back to the pool, where any class can take it.
+
+Refilling only within a class lets holes pile up: when the mix of classes drifts, one
+class's blocks sit half empty while another takes new ones, and the cache grows for
+thousands of steps although the kept tokens do not (the paper's rule, ``max_hole_blocks=None``).
+By default a sequence whose holes in one class reach ``max_hole_blocks`` blocks' worth has
+that class's newest tokens moved into its oldest holes and the emptied blocks returned,
+so memory stays within that many blocks per (sequence, class) of the kept tokens. Tokens
+move only then; otherwise none leaves its block or its offset (the pool may renumber
+whole blocks when it gives free ones back).
 """
 
 from __future__ import annotations
@@ -25,7 +33,18 @@ from .store import LayerStore, StoreView
 @register("pager", "ct")
 @dataclass
 class ContinuousThinkingPager(Pager):
-    """Mark evicted slots free in place; later tokens of the same class refill them (ThinKV's CT)."""
+    """Mark evicted slots free in place; later tokens of the same class refill them (ThinKV's CT).
+
+    ``max_hole_blocks``: a sequence's holes in one class that trigger moving its newest
+    tokens into them, in blocks (``None``: never move a token).
+    """
+
+    max_hole_blocks: int | None = 1
+
+    def __post_init__(self) -> None:
+        m = self.max_hole_blocks
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"ct pager: max_hole_blocks={m!r}; accepted: an integer >= 1, or None to never move tokens")
 
     def compact(self, store: LayerStore, view: StoreView, keep: torch.Tensor) -> None:
         if keep.shape != view.valid.shape:
@@ -47,6 +66,8 @@ class ContinuousThinkingPager(Pager):
                 flat[slots] = -1 if name == "pos" else 0
             region.has_holes = True
             region.release_empty_blocks()
+            if self.max_hole_blocks is not None:
+                region.pack_holes(self.max_hole_blocks * pool.block_size)
         cols = view.block_columns
         store.refill_buffer(store.buf_k, store.buf_v, store.buf_meta, keep[:, cols:])
         store.return_free_blocks()

@@ -143,6 +143,41 @@ class Region:
         self.length -= (written * empty).sum(1)
         self.table = torch.where(cols < self.num_blocks[:, None], self.table.gather(1, order), -1)
 
+    def pack_holes(self, max_holes: int) -> None:
+        """Eager mode: in every row with at least ``max_holes`` empty slots, move the tokens
+        written last into the earliest holes, so the row's live tokens fill its first
+        ``live`` slots, and give the blocks left empty back to the pool. The ``ct`` pager's
+        bound on fragmentation: without it a class keeps every block it ever needed."""
+        if self.static or self.table.shape[1] == 0:
+            return
+        pool = self.pool
+        if pool.codec.group_tokens > 1:
+            raise ValueError(f"format {pool.codec.name!r} encodes {pool.codec.group_tokens} tokens together; "
+                             "its tokens cannot move one at a time")
+        bs = pool.block_size
+        table = self.used_table()
+        B, W = table.shape
+        phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(B, W * bs)
+        col = torch.arange(W * bs, device=self.device)[None, :]
+        written = col < self.length[:, None]
+        valid = pool.flat_slots(pool.meta)["valid"][phys] & written
+        live = valid.sum(1)
+        rows = (self.length - live) >= max_holes
+        if not bool(rows.any()):
+            return
+        front = rows[:, None] & (col < live[:, None])
+        # Per row, the holes among the first `live` columns and the live tokens after them are
+        # equally many; boolean indexing lists both row by row in column order, so the k-th
+        # token written last of a row goes to that row's k-th earliest hole.
+        dst = phys[front & written & ~valid]
+        src = phys[rows[:, None] & valid & (col >= live[:, None])]
+        for tensors in (pool.slots, pool.meta):
+            for name, flat in pool.flat_slots(tensors).items():
+                flat[dst] = flat[src]
+        for name, flat in pool.flat_slots(pool.meta).items():
+            flat[src] = -1 if name == "pos" else 0
+        self.release_empty_blocks()
+
     def fix_width(self, width: int) -> None:
         """Static mode: give every row ``width`` blocks now (keeping the ones it has), so that
         appends never allocate, and keep all state in these tensors from now on."""
