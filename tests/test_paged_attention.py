@@ -106,6 +106,49 @@ def test_mixed_formats_holes_and_buffer_in_one_call():
     check_close(torch.randn(3, 8, 1, 64).to(torch.bfloat16), sources)
 
 
+def check_mass(query, sources, backend="triton", weight=None):
+    """The kernel's attention mass (added to per-slot channels) equals the reference's."""
+    weight = torch.ones(query.shape[0], device=query.device) if weight is None else weight
+    start = [torch.rand(s.valid.shape, generator=torch.Generator().manual_seed(i)).to(query.device)
+             for i, s in enumerate(sources)]
+    got, want = [c.clone() for c in start], [c.clone() for c in start]
+    out = paged_decode_attention(query, sources, 0.1, mass=(got, weight), backend=backend)
+    ref = paged_decode_attention_torch(query, sources, 0.1, mass=(want, weight))
+    torch.testing.assert_close(out.float(), ref.float(), atol=1.6e-2, rtol=1.6e-2)
+    for g, w, s0, src in zip(got, want, start, sources):
+        torch.testing.assert_close(g, w, atol=1e-3, rtol=1.6e-2)  # as the probabilities (check_close)
+        assert torch.equal(g[~src.valid], s0[~src.valid]), "an empty or evicted slot gained mass"
+    return got, start
+
+
+def test_attention_mass_is_added_where_the_slots_lie():
+    """h2o's per-slot accumulation from the kernel: mixed formats, holes, a buffer, a padding row
+    (weight 0 adds nothing) and an empty row."""
+    lengths = [50, 3, 90, 0]
+    sources = [make_source("nvfp4", lengths, 2, 64, seed=1), make_source("dense", lengths, 2, 64, holes=True, seed=2),
+               make_source("dense", [5, 0, 15, 0], 2, 64, bs=15, seed=3)]
+    query = torch.randn(4, 8, 1, 64).to(torch.bfloat16)
+    got, start = check_mass(query, sources, weight=torch.tensor([1.0, 0.0, 1.0, 1.0]))
+
+    def row_total(b):  # the mass a row gained over all its slots: its probabilities sum to one
+        return float(sum((g - s0)[src.slots()[b][src.slots()[b] >= 0]].sum() for g, s0, src in zip(got, start, sources)))
+
+    total = [row_total(b) for b in range(4)]
+    assert total[0] == pytest.approx(1.0, abs=1e-4) and total[2] == pytest.approx(1.0, abs=1e-4)
+    assert total[1] == 0.0 and total[3] == 0.0  # padding row, empty row
+
+
+def test_attention_mass_argument_is_checked():
+    src = make_source("dense", [4], 2, 64)
+    query = torch.randn(1, 4, 1, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="mass: 0 channels for 1 sources"):
+        paged_decode_attention(query, [src], 0.1, mass=([], torch.ones(1)))
+    with pytest.raises(ValueError, match=r"mass channel 0: torch.float64 of shape \(16,\); expected float32"):
+        paged_decode_attention(query, [src], 0.1, mass=([torch.zeros(16, dtype=torch.float64)], torch.ones(1)))
+    with pytest.raises(ValueError, match=r"mass weight of shape \(2,\); expected \(1,\)"):
+        paged_decode_attention(query, [src], 0.1, mass=([torch.zeros(16)], torch.ones(2)))
+
+
 def test_empty_rows_give_zeros_and_no_nan():
     src = make_source("fp8", [0, 33], 2, 64)
     out = paged_decode_attention(torch.randn(2, 4, 1, 64).to(torch.bfloat16), [src], 0.1, backend="triton")
@@ -213,6 +256,7 @@ def test_cuda_kernel_matches_reference(fmt, group, head_dim):
     check_close(query, [src])
     buffer = make_source("dense", [5, 0, 15, 1, 0, 15], H, head_dim, bs=15, seed=9, device="cuda")
     check_close(query, [src, make_source("ternary", lengths, H, head_dim, holes=True, seed=4, device="cuda"), buffer])
+    check_mass(query, [src, buffer])
 
 
 def check_fp16_tiles(fmt, dtype, magnitude, device):

@@ -112,6 +112,7 @@ class H2OEvictor(Evictor):
 
     needs_probs = True
     slot_channels = ("acc",)
+    mass_channel = "acc"  # observe() adds exactly the step's head-averaged attention
     reads_keys = False
     score_source = "acc"
 

@@ -75,6 +75,11 @@ class Evictor:
     needs_probs: bool = False
     #: Names of the per-slot float channels the store must keep for this evictor.
     slot_channels: tuple[str, ...] = ()
+    #: A slot channel that only accumulates each step's attention probability averaged over
+    #: the query heads (what :meth:`observe` adds on a decode step): the fused decode attention
+    #: then adds it on the device and no probabilities are materialized. None: decode steps
+    #: call :meth:`observe` with the probabilities.
+    mass_channel: str | None = None
     #: Whether :meth:`scores` reads keys or queries (False: positions and slot channels only,
     #: which static decode can evict from inside a captured step).
     reads_keys: bool = True

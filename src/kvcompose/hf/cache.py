@@ -186,8 +186,12 @@ class KVComposeLayer(CacheLayerMixin):
     def _paged_attention(self, query, positions, scaling):
         """The fused decode attention over the store's blocks and buffer (no dense view)."""
         evictor = self.cache.policy.evictor
-        sources = self.store.attention_sources()
         backend = self.cache.attention_backend
+        if evictor is not None and evictor.mass_channel is not None:
+            sources, channels = self.store.attention_sources_with(evictor.mass_channel)
+            weight = (positions[:, -1] >= 0).float()  # padding queries add nothing
+            return paged_decode_attention(query, sources, scaling, mass=(channels, weight), backend=backend)
+        sources = self.store.attention_sources()
         if evictor is None or not evictor.needs_probs:
             return paged_decode_attention(query, sources, scaling, backend=backend)
         out, probs = paged_decode_attention(query, sources, scaling, probs=True, backend=backend)

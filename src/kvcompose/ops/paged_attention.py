@@ -15,10 +15,12 @@ plus the dense recent buffer as one more source. :func:`paged_decode_attention` 
 2. one launch of :func:`_merge_kernel`, which combines the partial results of all
    splits of all sources by their log-sum-exp.
 
-Evictors that accumulate attention every step (``h2o``) ask for the step's
-probabilities: the partial kernel writes each valid slot's logit (base 2) in the same
-pass, and one exponential against the merged log-sum-exp turns them into
-probabilities, so the keys are never read twice.
+Evictors that accumulate attention every step (``h2o``) pass ``mass``: the partial
+kernel writes each valid slot's logit (base 2) in the same pass, and one more launch per
+source, :func:`_mass_kernel`, turns them into probabilities against the merged
+log-sum-exp, averages them over the query heads and adds the result to the slot's
+channel where it lies, so the keys are never read twice and no ``[B, Hq, L]``
+probabilities reach torch. ``probs=True`` returns the probabilities instead.
 
 Formats (``KVOperand.fmt``): ``dense`` (bf16/fp16/fp32 as stored), ``fp8`` (E4M3 codes
 times a per-(row, head) scale), ``nvfp4`` and ``ternary`` (codes, an E4M3 scale per 16
@@ -69,6 +71,7 @@ FORMATS = {"dense": 0, "fp8": 1, "nvfp4": 2, "ternary": 3, "int": 4, "int_channe
 EXACT_FORMATS = ("fp8", "nvfp4", "ternary")
 _PER_BYTE = {"dense": 1, "fp8": 1, "nvfp4": 2, "ternary": 4}
 BLOCK_N = 64  # tokens per tile of the partial kernel
+MASS_BLOCK = 128  # tokens per program of the attention-mass kernel
 TOKENS_PER_SPLIT_MIN = 256  # a split never holds fewer tokens than this (unless the row is shorter)
 PROGRAMS_PER_SM = 4  # split-KV aims at this many programs per SM
 WARPS = 2
@@ -177,12 +180,28 @@ def dense_source_view(src: PagedSource, dtype: torch.dtype) -> tuple[torch.Tenso
     return k.reshape(shape).transpose(1, 2), v.reshape(shape).transpose(1, 2), valid
 
 
+def add_mass_torch(sources: list[PagedSource], mass: tuple[list[torch.Tensor], torch.Tensor],
+                   probs: torch.Tensor) -> None:
+    """Reference of the ``mass`` output: add ``weight[b]`` times the probabilities ``[B, Hq, L]``
+    averaged over the query heads to each source's flat per-slot channel (fixed shapes: a
+    missing block adds zero to slot 0)."""
+    channels, weight = mass
+    delta = probs.float().mean(dim=1) * weight.float()[:, None]
+    col = 0
+    for src, channel in zip(sources, channels):
+        slots = src.slots()
+        d = delta[:, col:col + slots.shape[1]]
+        channel.index_add_(0, slots.clamp(min=0).reshape(-1), torch.where(slots >= 0, d, 0.0).reshape(-1))
+        col += slots.shape[1]
+
+
 def paged_decode_attention_torch(query: torch.Tensor, sources: list[PagedSource], scaling: float,
-                                 return_probs: bool = False):
+                                 return_probs: bool = False, mass=None):
     """Reference: dequantize each source, concatenate, softmax attention with the validity mask.
 
     Returns ``[B, Hq, 1, D]`` in the query dtype (rows with no valid token get zeros) and,
     with ``return_probs``, the probabilities ``[B, Hq, L]`` over the concatenated columns.
+    ``mass``: see :func:`paged_decode_attention`.
     """
     B, Hq, _, D = query.shape
     parts = [dense_source_view(s, query.dtype) for s in sources]
@@ -196,6 +215,8 @@ def paged_decode_attention_torch(query: torch.Tensor, sources: list[PagedSource]
     logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.nan_to_num(logits.softmax(-1), nan=0.0)  # a row with nothing valid attends to nothing
     out = (probs @ v).to(query.dtype)
+    if mass is not None:
+        add_mass_torch(sources, mass, probs[:, :, 0])
     return (out, probs[:, :, 0]) if return_probs else out
 
 
@@ -570,6 +591,30 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, D: tl.constexpr,
     tl.store(final_lse_ptr + pid, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")))
 
 
+@jit
+def _mass_kernel(logit_ptr, lse_ptr, table_ptr, valid_ptr, mass_ptr, weight_ptr, W, tokens, col0, total_cols,
+                 HQ: tl.constexpr, HP: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr):
+    """One tile of one row of one source: each valid slot's probability (its logit against the
+    merged log2-sum-exp), averaged over the ``HQ`` query heads, times the row's weight, added
+    to the slot's channel in place (a slot belongs to one row: no two programs write it)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = t < tokens
+    blk = tl.load(table_ptr + row * W + t // BS, mask=inside, other=-1).to(tl.int64)
+    slot = blk * BS + t % BS
+    ok = inside & (blk >= 0)
+    ok = ok & (tl.load(valid_ptr + slot, mask=ok, other=0) != 0)
+    h = tl.arange(0, HP)
+    hm = h < HQ
+    lse = tl.load(lse_ptr + row * HQ + h, mask=hm, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)  # a row with nothing valid: every logit is -inf
+    logit = tl.load(logit_ptr + (row * HQ + h)[:, None] * total_cols + col0 + t[None, :],
+                    mask=hm[:, None] & ok[None, :], other=float("-inf"))
+    delta = tl.sum(tl.exp2(logit - lse[:, None]), 0) * (tl.load(weight_ptr + row) / HQ)
+    current = tl.load(mass_ptr + slot, mask=ok, other=0.0)
+    tl.store(mass_ptr + slot, current + delta, mask=ok)
+
+
 # ---------------------------------------------------------------------------
 # Launchers
 
@@ -623,21 +668,39 @@ def check_sources(query: torch.Tensor, sources: list[PagedSource]) -> None:
 
 
 def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scaling: float, *,
-                           probs: bool = False, backend: str | None = None):
+                           probs: bool = False, mass=None, backend: str | None = None):
     """Attention of one decode step over paged sources: ``[B, Hq, 1, D]`` in the query dtype.
 
     With ``probs=True`` also returns the attention probabilities ``[B, Hq, L]`` over the
     concatenated token columns of the sources (0 where a slot is not valid): the kernel
     writes each slot's logit in the same pass, and one exponential against the merged
-    log-sum-exp finishes them (what accumulating evictors such as ``h2o`` read).
+    log-sum-exp finishes them. ``mass=(channels, weight)``: one flat float32 per-slot
+    tensor per source and a ``[B]`` weight; each valid slot's channel entry gains
+    ``weight[b]`` times its probability averaged over the query heads (what ``h2o``
+    accumulates), computed on the device without returning the probabilities.
     ``backend``: None (Triton on CUDA, the torch reference elsewhere), "triton" (CUDA, or the
     CPU interpreter under ``TRITON_INTERPRET=1``), "torch". Rows with no valid token get zeros.
     """
     check_sources(query, sources)
+    if mass is not None:
+        check_mass(query, sources, mass)
     fits = backend is not None or kernel_fits(query, sources)
     if not step_kernel_runs(query, _paged_partial_kernel, backend, fits):
-        return paged_decode_attention_torch(query, sources, scaling, return_probs=probs)
-    return _paged_decode_triton(query, sources, scaling, probs)
+        return paged_decode_attention_torch(query, sources, scaling, return_probs=probs, mass=mass)
+    return _paged_decode_triton(query, sources, scaling, probs, mass)
+
+
+def check_mass(query: torch.Tensor, sources: list[PagedSource], mass) -> None:
+    """The ``mass`` argument: a float32 channel with a value per slot of each source, a ``[B]`` weight."""
+    channels, weight = mass
+    if len(channels) != len(sources):
+        raise ValueError(f"mass: {len(channels)} channels for {len(sources)} sources; give one per source")
+    for i, (src, channel) in enumerate(zip(sources, channels)):
+        if channel.dtype != torch.float32 or channel.shape != src.valid.shape:
+            raise ValueError(f"mass channel {i}: {channel.dtype} of shape {tuple(channel.shape)}; expected float32 "
+                             f"of shape {tuple(src.valid.shape)} (one value per slot)")
+    if tuple(weight.shape) != (query.shape[0],):
+        raise ValueError(f"mass weight of shape {tuple(weight.shape)}; expected ({query.shape[0]},), one per row")
 
 
 def kernel_fits(query: torch.Tensor, sources: list[PagedSource]) -> bool:
@@ -648,13 +711,15 @@ def kernel_fits(query: torch.Tensor, sources: list[PagedSource]) -> bool:
     return D == next_pow2(D) and D // per >= 16
 
 
-def _paged_decode_triton(query, sources, scaling, probs):
+def _paged_decode_triton(query, sources, scaling, probs, mass=None):
     B, Hq, _, D = query.shape
     if not interpreted(_paged_partial_kernel) and not kernel_fits(query, sources):
         raise ValueError(f"the paged attention kernel needs a power-of-two head dim with >= 16 channels per code "
                          f"position of a packed byte; got head dim {D} (use backend='torch' or None)")
     q = query.contiguous()
     device = q.device
+    if mass is not None:  # sources without columns receive nothing
+        mass = ([c for c, s in zip(mass[0], sources) if s.tokens > 0], mass[1])
     sources = [s for s in sources if s.tokens > 0]
     if not sources:  # nothing stored anywhere: every row attends to nothing
         out = torch.zeros_like(query)
@@ -666,7 +731,8 @@ def _paged_decode_triton(query, sources, scaling, probs):
     part = torch.empty(B, Hq, total, D, dtype=torch.float32, device=device)
     lse = torch.empty(B, Hq, total, dtype=torch.float32, device=device)  # every split writes its own
     cols = sum(s.tokens for s in sources)
-    logits = torch.empty(B, Hq, cols if probs else 1, device=device)  # the splits cover every column
+    scores = probs or mass is not None
+    logits = torch.empty(B, Hq, cols if scores else 1, device=device)  # the splits cover every column
     split0 = col0 = 0
     for src, n in zip(sources, splits):
         per = cdiv(cdiv(src.tokens, n), BLOCK_N) * BLOCK_N
@@ -680,7 +746,7 @@ def _paged_decode_triton(query, sources, scaling, probs):
             KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
             KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte,
             KEX=_exact(src.key, q.dtype), VEX=_exact(src.value, q.dtype), H=H, G=G, GP=max(16, next_pow2(G)), D=D,
-            BS=src.block_size, BLOCK=BLOCK_N, SCORES=probs, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            BS=src.block_size, BLOCK=BLOCK_N, SCORES=scores, PREC="ieee" if q.dtype == torch.float32 else "tf32",
             OUT=OUT_KINDS[q.dtype], NATIVE=not interpreted(_paged_partial_kernel), num_warps=WARPS, num_stages=STAGES,
             **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
         )
@@ -690,6 +756,15 @@ def _paged_decode_triton(query, sources, scaling, probs):
     final = torch.empty(B, Hq, dtype=torch.float32, device=device)
     _merge_kernel[(B * Hq,)](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=next_pow2(D), OUT=kind,
                              num_warps=WARPS)
+    if mass is not None:
+        weight = mass[1].float().contiguous()
+        col0 = 0
+        for src, channel in zip(sources, mass[0]):
+            table = src.table.contiguous()
+            _mass_kernel[(B, cdiv(src.tokens, MASS_BLOCK))](
+                logits, final, table, src.valid.view(torch.uint8), channel, weight, table.shape[1], src.tokens,
+                col0, cols, HQ=Hq, HP=next_pow2(Hq), BS=src.block_size, BLOCK=MASS_BLOCK, num_warps=WARPS)
+            col0 += src.tokens
     if not probs:
         return out
     return out, torch.exp2(logits - final[..., None]).nan_to_num(0.0)  # -inf - -inf (empty row) -> 0
@@ -713,6 +788,7 @@ def bytes_read(sources: list[PagedSource], query: torch.Tensor) -> int:
 
 
 __all__ = [
-    "EXACT_FORMATS", "FORMATS", "KVOperand", "PagedSource", "bytes_read", "decode_operand_torch", "dense_source_view",
+    "EXACT_FORMATS", "FORMATS", "KVOperand", "PagedSource", "add_mass_torch", "bytes_read", "decode_operand_torch",
+    "dense_source_view",
     "paged_decode_attention", "paged_decode_attention_torch", "plan_splits",
 ]

@@ -393,6 +393,12 @@ class LayerStore:
         the recent buffer. Nothing is copied or decoded; no host synchronization."""
         return [source for source, _, _ in self._sources()]
 
+    def attention_sources_with(self, channel: str) -> tuple[list[PagedSource], list[torch.Tensor]]:
+        """:meth:`attention_sources` and, for each, the flat per-slot tensor of one float channel
+        (where the decode attention adds an evictor's attention mass)."""
+        parts = self._sources()
+        return [source for source, _, _ in parts], [meta[channel] for _, meta, _ in parts]
+
     def _sources(self) -> list[tuple[PagedSource, dict, BlockPool | None]]:
         """``(source, its flat per-slot metadata channels, its pool or None for the buffer)``
         in :meth:`attention_sources` order."""
