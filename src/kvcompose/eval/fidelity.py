@@ -617,8 +617,9 @@ class FidelityResult:
         paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
         paths["json"].write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
         paths["md"].write_text(self.report_markdown() + "\n", encoding="utf-8")
-        plot_fidelity(self.rows(), paths["png"], title=self._title(),
-                      topk=self.metadata.get("replay", {}).get("topk", TOPK))
+        replay = self.metadata.get("replay", {})
+        plot_fidelity(self.rows(), paths["png"], title=self._title(), topk=replay.get("topk", TOPK),
+                      basis=replay.get("memory_basis", MEMORY_BASIS))
         return paths
 
     def _title(self) -> str:

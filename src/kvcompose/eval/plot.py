@@ -8,17 +8,21 @@ from pathlib import Path
 KL_FLOOR = 1e-6  # KL below this (fullkv's self-check) is noted on the KL panel instead of plotted
 
 
-def plot_fidelity(rows: list[dict], path: str | Path, title: str | None = None, topk: int = 10) -> Path:
+def plot_fidelity(rows: list[dict], path: str | Path, title: str | None = None, topk: int = 10,
+                  basis: str = "bfloat16") -> Path:
     """Write a PNG: top-1 agreement, mean KL and top-k key recall against measured KV memory %.
 
     ``rows`` are :meth:`FidelityResult.rows` dicts. One point per policy (and budget);
     points of one preset are joined in memory order so a budget sweep reads as a curve.
+    ``basis``: the dtype of the full cache the memory is a percentage of.
     Uses matplotlib's Agg canvas directly, so it never touches a display or pyplot state.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(14, 4.4), layout="constrained")
+    from matplotlib import colormaps
+
+    fig = Figure(figsize=(15, 4.4), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3)
     panels = [
@@ -29,9 +33,10 @@ def plot_fidelity(rows: list[dict], path: str | Path, title: str | None = None, 
     by_preset: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         by_preset[r["preset"]].append(r)
+    palette = colormaps["tab10" if len(by_preset) <= 10 else "tab20"]  # one color per preset
     for i, (preset, group) in enumerate(sorted(by_preset.items())):
         group = sorted(group, key=lambda r: r["memory_pct_mean"])
-        color = f"C{i % 10}"
+        color = palette(i % palette.N)
         marker = "*" if preset == "fullkv" else "o"
         for ax, (key, scale, _, log) in zip(axes, panels):
             # On the log KL panel, a (self-checked) KL of ~0 would squash every real point into one band.
@@ -44,12 +49,13 @@ def plot_fidelity(rows: list[dict], path: str | Path, title: str | None = None, 
             for r, x, y in zip(shown, xs, ys):
                 ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
     for ax, (_, _, ylabel, log) in zip(axes, panels):
-        ax.set_xlabel("KV memory, % of full (measured, mean over steps)")
         ax.set_ylabel(ylabel)
         if log:
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8, loc="lower right")
+    fig.supxlabel(f"KV memory, % of a full {basis} cache of the same tokens (measured, mean over steps)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="outside right center")
     tiny = [r["label"] for r in rows if r["kl_mean"] < KL_FLOOR]
     if tiny:
         axes[1].text(0.02, 0.02, f"KL < {KL_FLOOR:g} (not drawn): {', '.join(tiny)}", transform=axes[1].transAxes,
