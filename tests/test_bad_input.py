@@ -15,6 +15,8 @@ from typing import Callable
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from conftest import greedy, left_padded, tiny_model
 from kvcompose import Policy, registry
@@ -314,6 +316,16 @@ def _smollm2_calibration() -> str:
 
 
 P = Policy
+def _assisted(model, transformers_checks: bool):
+    """Assisted decoding on a kvcompose cache. transformers >= 5.24 reads the cache's
+    ``is_croppable`` (False) after the first forward and raises its own message; older
+    versions call ``crop``, which raises ours. Each case runs where its message applies."""
+    if (Version(transformers.__version__) >= Version("5.24")) != transformers_checks:
+        pytest.skip(f"transformers {transformers.__version__} raises the other message")
+    greedy(model, *left_padded([5])[1:], 6, cache=P.from_preset("fullkv").make_cache(model),
+           prompt_lookup_num_tokens=2)
+
+
 CASES = [
     # policies, presets and components
     Case("unknown-preset", lambda _: P.from_preset("snap"), UnknownComponentError,
@@ -347,6 +359,8 @@ CASES = [
          "Policy needs both an evictor and a trigger to compress (or neither for a full cache); "
          "got evictor=..., trigger=None"),
     Case("no-pager", lambda _: P(pager=None), ValueError, "Policy.pager is required; known pagers: ct, gather"),
+    *[Case(f"policy-name-{value!r}", lambda _, v=value: P(name=v), ValueError,
+           "Policy.name must be a non-empty string, got ...") for value in (5, "")],
     Case("ct-hole-limit", lambda _: P.from_preset("thinkv", pager={"max_hole_blocks": 0}), ValueError,
          "ct pager: max_hole_blocks=0; accepted: an integer >= 1, or None to never move tokens"),
     # budgets and the other policy fields
@@ -420,7 +434,7 @@ CASES = [
          ValueError, "sparsity_kde classifier reads layers [5], but the sparsity has only 2 layers; was it "
                      "calibrated for another model (None)?"),
     Case("text-classifier",
-         lambda m: _forward(m, P(classifier="keyword", precision={"R": None, "E": None, "T": None})), ValueError,
+         lambda _: P(classifier="keyword", precision={"R": None, "E": None, "T": None}), ValueError,
          "classifier 'keyword' reads decoded text, which the attention path does not see; use it offline on text, "
          "or use sparsity_kde/constant inside a policy"),
     # models
@@ -459,10 +473,10 @@ CASES = [
     Case("beam-search",
          lambda m: greedy(m, *left_padded([5])[1:], 3, cache=P.from_preset("fullkv").make_cache(m), num_beams=2),
          ValueError, "kvcompose caches do not support beam search (use num_beams=1)"),
-    Case("assisted-decoding",
-         lambda m: greedy(m, *left_padded([5])[1:], 6, cache=P.from_preset("fullkv").make_cache(m),
-                          prompt_lookup_num_tokens=2),
+    Case("assisted-decoding", lambda m: _assisted(m, transformers_checks=False),
          ValueError, "kvcompose caches cannot be cropped (assisted/speculative decoding is not supported)"),
+    Case("assisted-decoding-new-transformers", lambda m: _assisted(m, transformers_checks=True), ValueError,
+         "Assisted decoding requires a cache that can be cropped to restore the states after draft verification"),
     Case("expand-after-prefill", lambda m: _used_cache(m).batch_repeat_interleave(2), ValueError,
          "kvcompose caches cannot be expanded after prefill; pass one row per sequence"),
     Case("drop-after-prefill", lambda m: _used_cache(m).batch_select_indices(torch.tensor([0])), ValueError,

@@ -85,12 +85,7 @@ class ThoughtTracker:
                 self.sparsity[:, layer_idx] = attention_sparsity(
                     query[:, :, -1], view.keys, view.valid, scaling, validate=False
                 )
-            if layer_idx == self.num_layers - 1:
-                if classifier.needs == "text":
-                    raise ValueError(
-                        f"classifier {classifier.name!r} reads decoded text, which the attention path does not "
-                        "see; use it offline on text, or use sparsity_kde/constant inside a policy"
-                    )
+            if layer_idx == self.num_layers - 1:  # a policy refuses text classifiers when it is built
                 signal = ClassifierInput(
                     sparsity=self.sparsity if classifier.needs == "sparsity" else None,
                     batch_size=B, device=query.device,

@@ -65,11 +65,18 @@ class Policy:
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"Policy.{fname} must be an integer >= {minimum}, got {value!r}")
 
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Policy.name must be a non-empty string, got {self.name!r}")
         positive_int("block_size", self.block_size, 1)
         positive_int("group_size", self.group_size, 1)
         positive_int("residual", self.residual, 0)
         positive_int("refresh", self.refresh, 1)
         if self.classifier is not None:
+            if self.classifier.needs == "text":
+                raise ValueError(
+                    f"classifier {self.classifier.name!r} reads decoded text, which the attention path does not "
+                    "see; use it offline on text, or use sparsity_kde/constant inside a policy"
+                )
             missing = [t for t in self.classifier.types if t not in self.classes]
             if missing:
                 raise ValueError(
