@@ -9,13 +9,14 @@ import torch
 
 from conftest import char_tokenizer, greedy, tiny_model
 from kvcompose import Policy, registry
-from kvcompose.calibrate_run import (
+from kvcompose.calibration import (
+    CalibrationWarning,
     calibration_prompts,
     collect_sparsity,
     default_calibration_path,
+    load_calibration,
     run_calibration,
 )
-from kvcompose.calibration import CalibrationWarning, load_calibration
 from kvcompose.classifiers import ClassifierInput
 from kvcompose.cli import main
 from kvcompose.hf import encode_prompts

@@ -133,8 +133,14 @@ def _cmd_calibrate(args) -> int:
     import warnings
 
     from . import models
-    from .calibrate_run import EMBEDDED_MODEL_NAME, calibration_prompts, describe, run_calibration
-    from .calibration import CalibrationWarning, save_calibration
+    from .calibration import (
+        EMBEDDED_MODEL_NAME,
+        CalibrationWarning,
+        calibration_prompts,
+        describe,
+        run_calibration,
+        save_calibration,
+    )
     from .classifiers.base import SPARSITY_BIN_TYPES
     from .eval import load_prompts
 

@@ -106,7 +106,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
 
 def _thinkv(description: str, quantize: bool, evict: bool) -> tuple[str, dict]:
     """ThinKV and its ablations, with the embedded model's shipped sparsity calibration."""
-    from ..calibration import load_calibration
+    from ..classifiers.sparsity_kde import load_calibration
 
     calib = load_calibration(_data_path("calibration_smollm2.json"))
     formats = {"R": {"name": "nvfp4"}, "E": {"name": "nvfp4"}, "T": {"name": "ternary"}}

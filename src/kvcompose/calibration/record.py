@@ -1,6 +1,6 @@
-"""Collect decode-time attention sparsity from a model and fit the ``sparsity_kde`` calibration.
+"""Record decode-time attention sparsity from a model, then fit the ``sparsity_kde`` calibration.
 
-:mod:`kvcompose.calibration` does the statistics on recorded arrays; this module
+:mod:`kvcompose.calibration.fit` does the statistics on recorded arrays; this module
 records them. Each prompt is decoded greedily under the ``fullkv`` policy (the
 calibration must see the attention of an uncompressed cache, as in ThinKV §3.1.3),
 and a cache observer measures, at every decode step and in every layer, the
@@ -19,66 +19,18 @@ where it ends.
 
 from __future__ import annotations
 
-import json
 import warnings
-from importlib import resources
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from .calibration import calibrate
-from .hf.attention import ATTENTION_NAME
-from .hf.generate import _eos_ids, encode_prompts
-from .ops.sparsity import attention_sparsity
+from ..hf.attention import ATTENTION_NAME
+from ..hf.generate import _eos_ids, encode_prompts
+from ..ops.sparsity import attention_sparsity
+from .fit import calibrate
 
-__all__ = [
-    "CALIBRATION_FILE",
-    "EMBEDDED_MODEL_NAME",
-    "EXTRA_PROMPTS_FILE",
-    "calibration_prompts",
-    "collect_sparsity",
-    "default_calibration_path",
-    "describe",
-    "run_calibration",
-]
-
-CALIBRATION_FILE = "calibration_smollm2.json"
-EXTRA_PROMPTS_FILE = "calibration_prompts.json"
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def default_calibration_path() -> Path:
-    """Path of the calibration shipped for the embedded SmolLM2-135M-Instruct.
-
-    Pass it as ``{"name": "sparsity_kde", "calibration": str(path)}``. It is valid for
-    that model only: thresholds and layers are properties of one model's attention.
-    """
-    ref = resources.files("kvcompose").joinpath("data", CALIBRATION_FILE)
-    return Path(str(ref))
-
-
-def calibration_prompts(limit: int | None = None) -> list[str]:
-    """The prompts the shipped calibration was fitted on: the packaged reasoning prompts, then the extra ones.
-
-    The extra prompts (``data/calibration_prompts.json``) add code, logic and
-    self-checking tasks, so the decode steps cover more than arithmetic.
-    """
-    from .eval.prompts import load_prompts
-
-    extra = resources.files("kvcompose").joinpath("data", EXTRA_PROMPTS_FILE).read_text(encoding="utf-8")
-    prompts = load_prompts() + _prompt_texts(json.loads(extra))
-    if limit is not None:
-        if limit < 1:
-            raise ValueError(f"the number of prompts must be >= 1, got {limit}")
-        prompts = prompts[:limit]
-    return prompts
-
-
-def _prompt_texts(data) -> list[str]:
-    items = data["prompts"] if isinstance(data, dict) else data
-    return [item["prompt"] if isinstance(item, dict) else item for item in items]
+__all__ = ["collect_sparsity", "run_calibration"]
 
 
 class _SparsityRecorder:
@@ -161,7 +113,7 @@ def collect_sparsity(
     from tqdm.auto import tqdm
     from transformers import LogitsProcessorList
 
-    from .policies import Policy
+    from ..policies import Policy
 
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings")
@@ -227,14 +179,14 @@ def run_calibration(
     collect_options: dict[str, Any] | None = None,
     **calibrate_options,
 ) -> dict[str, Any]:
-    """Collect sparsity for ``prompts`` and fit thresholds and ``L*`` (:func:`kvcompose.calibration.calibrate`).
+    """Collect sparsity for ``prompts`` and fit thresholds and ``L*`` (:func:`~kvcompose.calibration.fit.calibrate`).
 
     Prompts that produced fewer than ``min_steps`` decode steps are left out of the
     fit (a KDE of a handful of points has no meaningful modes); how many, and how
     many steps every prompt gave, is recorded under ``"collection"`` in the returned
     dict together with the collection settings. ``collect_options`` go to
     :func:`collect_sparsity` (e.g. ``batch_size``, ``min_new_tokens``),
-    ``calibrate_options`` to :func:`~kvcompose.calibration.calibrate`. A fallback to
+    ``calibrate_options`` to :func:`~kvcompose.calibration.fit.calibrate`. A fallback to
     fewer types is reported in ``"fallback"`` and as a ``CalibrationWarning``.
     """
     if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 2:
@@ -270,48 +222,3 @@ def run_calibration(
         "decoding": "greedy",
     }
     return result
-
-
-def describe(calibration: dict[str, Any]) -> str:
-    """A human-readable summary: types, thresholds, ``L*``, mode counts per layer, fallback."""
-    counts = calibration.get("mode_counts") or {}
-    chosen = set(calibration["layers"])
-    wanted = calibration.get("requested_num_types", calibration["num_types"])
-    lines = [
-        f"model: {calibration.get('model')}",
-        f"thought types: {calibration['num_types']} {calibration['types']}"
-        + (f" (requested {wanted})" if wanted != calibration["num_types"] else ""),
-        f"thresholds: {[round(t, 4) for t in calibration['thresholds']]}",
-        f"layers (L*): {calibration['layers']}",
-    ]
-    if counts:
-        n_prompts = len(next(iter(counts.values())))
-        typical = [layer for layer, c in counts.items() if c and _is_typical(c, wanted)]
-        lines.append(
-            f"layers whose most frequent mode count is {wanted}: {len(typical)} of {len(counts)} {typical}"
-        )
-        lines.append(f"KDE mode counts per layer over {n_prompts} prompts (count:prompts; * = in L*):")
-        for layer in sorted(counts):
-            tally = sorted(_tally(counts[layer]).items())
-            text = "  ".join(f"{k}:{n}" for k, n in tally)
-            lines.append(f"  {'*' if layer in chosen else ' '} layer {layer:>3}  {text}")
-    collection = calibration.get("collection")
-    if collection:
-        lines.append(
-            f"data: {collection['num_prompts_used']} of {collection['num_prompts']} prompts, "
-            f"{collection['total_steps']} decode steps (max {collection['max_new_tokens']} new tokens each)"
-        )
-    lines.append(f"fallback: {calibration['fallback']}" if calibration.get("fallback") else "fallback: none")
-    return "\n".join(lines)
-
-
-def _tally(values) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
-
-
-def _is_typical(values, k: int) -> bool:
-    tally = _tally(values)
-    return tally.get(k, 0) == max(tally.values())

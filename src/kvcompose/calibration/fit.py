@@ -1,10 +1,10 @@
-"""Offline calibration for the ``sparsity_kde`` classifier (ThinKV §3.1.3, appendix D.1).
+"""The statistics of the ``sparsity_kde`` calibration: KDE modes, thresholds and the layers ``L*``.
 
 Input: for each calibration prompt, the attention sparsity of every layer at every
-decode step, as an array ``[steps, n_layers]`` (collecting it needs a model; this
-module only does the statistics, so it runs on recorded arrays). Output: a plain
-dict, saved as JSON, from which :class:`~kvcompose.classifiers.SparsityKDEClassifier`
-is built.
+decode step, as an array ``[steps, n_layers]``. Collecting it needs a model
+(:mod:`kvcompose.calibration.record`); the statistics do not, so they run on recorded
+arrays. Output: a plain dict, saved as JSON (:mod:`kvcompose.calibration.result`),
+from which :class:`~kvcompose.classifiers.SparsityKDEClassifier` is built.
 
 Steps:
 
@@ -31,30 +31,20 @@ Steps:
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 from scipy.signal import find_peaks
 from scipy.stats import gaussian_kde
 
-from .classifiers.base import SPARSITY_BIN_TYPES
-from .classifiers.sparsity_kde import CalibrationWarning, load_calibration
+from ..classifiers.base import SPARSITY_BIN_TYPES
+from ..classifiers.sparsity_kde import CalibrationWarning
 
-__all__ = [
-    "CalibrationWarning",
-    "KDEModes",
-    "calibrate",
-    "count_modes",
-    "find_modes",
-    "load_calibration",
-    "save_calibration",
-]
+__all__ = ["KDEModes", "calibrate", "count_modes", "find_modes"]
 
 
 @dataclass(frozen=True)
@@ -236,13 +226,3 @@ def calibrate(
         "num_prompts": len(arrays),
         "settings": {**options, "num_layers": num_layers},
     }
-
-
-def save_calibration(calibration: dict[str, Any], path: str | Path) -> Path:
-    """Check a calibration dict and write it as JSON; returns the path written."""
-    checked = load_calibration(calibration)
-    path = Path(path)
-    if path.parent != Path():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(checked, indent=2) + "\n", encoding="utf-8")
-    return path
