@@ -13,7 +13,8 @@ from kvcompose.cli import main
 from kvcompose.eval import (
     build_policies, compare, evaluate, greedy_trajectory, load_prompts, match_memory, parse_overrides, replay,
 )
-from kvcompose.eval.fidelity import attention_topk, key_recall, self_check
+from kvcompose.eval.metrics import attention_topk, key_recall
+from kvcompose.eval.replays import self_check
 
 
 @pytest.fixture(scope="module")

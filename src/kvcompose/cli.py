@@ -95,8 +95,7 @@ def _cmd_compare(args) -> int:
     import time
 
     from . import models
-    from .eval import compare_presets, load_prompts, parse_overrides
-    from .eval.fidelity import build_policies
+    from .eval import build_policies, compare_presets, load_prompts, parse_overrides
 
     presets = _preset_list(args.presets)
     overrides = parse_overrides(args.set)

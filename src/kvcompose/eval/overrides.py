@@ -1,0 +1,94 @@
+"""Which policies a comparison runs: presets, ``--set`` overrides on them, budgets, and their labels.
+
+The command line names presets and patches them field by field; this module turns
+those words into :class:`~kvcompose.policies.Policy` objects, and fails on a bad
+name or override before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Iterable
+
+
+def policy_label(policy) -> str:
+    """Short name for tables and plots: ``h2o@64`` (budget) or ``rpc@P64`` (RPC period)."""
+    if policy.evictor is None:
+        return policy.name
+    if policy.trigger.needs_budget and policy.budget is not None:
+        return f"{policy.name}@{policy.budget}"
+    period = getattr(policy.trigger, "period", None)
+    return f"{policy.name}@P{period}" if period is not None else policy.name
+
+
+def _parse_value(raw: str):
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def parse_overrides(items: Iterable[str] | None) -> dict[str, dict]:
+    """``["rpc.trigger.period=64", "h2o.protect_recent=16"]`` → ``{"rpc": {"trigger": {"period": 64}}, ...}``.
+
+    Values are JSON (numbers, ``true``, ``null``, ``{...}``), else plain strings.
+    """
+    out: dict[str, dict] = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            raise ValueError(f"--set expects PRESET.FIELD[.SUBFIELD]=VALUE (e.g. rpc.trigger.period=64), got {item!r}")
+        node = out.setdefault(parts[0], {})
+        for p in parts[1:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r} conflicts with an earlier --set of {p!r}")
+        node[parts[-1]] = _parse_value(raw.strip())
+    return out
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra`` laid over it, nested dicts merged key by key (neither input is modified)."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def preset_policy(name: str, overrides: dict | None = None, **fields):
+    """A preset with ``--set`` overrides (nested, merged) and then ``fields`` applied."""
+    from ..policies import Policy
+    from ..policies.presets import preset_config
+
+    config = merge(preset_config(name), (overrides or {}).get(name, {}))
+    return Policy.from_config(merge(config, fields))
+
+
+def check_overrides(presets: list[str], overrides: dict | None) -> None:
+    """Refuse overrides for presets that are not compared: a typo would otherwise be ignored silently."""
+    stray = sorted(set(overrides or {}) - set(presets))
+    if stray:
+        raise ValueError(f"--set names preset(s) {stray} that are not being compared ({', '.join(presets)})")
+
+
+def build_policies(presets: Iterable[str], budgets: Iterable[int] | None = None,
+                   overrides: dict | None = None) -> dict:
+    """``{label: Policy}``: each preset once per budget; presets without a budget knob
+    (``fullkv``, and ``rpc`` whose memory follows its period) once."""
+    presets = list(presets)
+    check_overrides(presets, overrides)
+    out = {}
+    for name in presets:
+        base = preset_policy(name, overrides)
+        if base.evictor is None or not base.trigger.needs_budget or not budgets:
+            out.setdefault(policy_label(base), base)
+            continue
+        for b in budgets:
+            policy = preset_policy(name, overrides, budget=int(b))
+            out.setdefault(policy_label(policy), policy)
+    return out
