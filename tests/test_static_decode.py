@@ -220,3 +220,49 @@ def test_bench_command_names_an_unknown_preset_before_loading(capsys):
 
     assert main(["bench", "--presets", "fullkv,nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pager", ["gather", "ct"])
+def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pager):
+    """Both pagers in static mode: the same kept tokens (positions, keys, values, classes) as the
+    eager pager after the same eviction, with fixed shapes and no host synchronization."""
+    from kvcompose.paging import ContinuousThinkingPager, DenseCodec, GatherPager, LayerStore
+
+    def filled():
+        codecs = {"R": DenseCodec(torch.float32), "T": DenseCodec(torch.float32)}
+        store = LayerStore(3, 2, 8, torch.float32, torch.device("cpu"), block_size=4, group_size=4, codecs=codecs)
+        g = torch.Generator().manual_seed(0)
+        k, v = torch.randn(3, 2, 30, 8, generator=g), torch.randn(3, 2, 30, 8, generator=g)
+        real = torch.ones(3, 30, dtype=torch.bool)
+        real[1, :9] = False  # a left-padded row
+        store.append(k, v, real, torch.randint(0, 2, (3, 30), generator=g))
+        return store
+
+    make = (lambda: GatherPager()) if pager == "gather" else (lambda: ContinuousThinkingPager(max_hole_blocks=None))
+    eager, static = filled(), filled()
+    static.fix_capacity(48)
+
+    def keep_for(view):  # drop every position divisible by 3 (same rule on both layouts)
+        return view.valid & (view.positions % 3 != 0)
+
+    make().compact(eager, eager.view(), keep_for(eager.view()))
+    view = static.view()
+    keep = keep_for(view)
+    with no_host_sync():
+        make().compact(static, view, keep)
+
+    def kept(store):
+        v = store.view()
+        out = []
+        for r in range(3):
+            live = v.valid[r]
+            order = torch.argsort(v.positions[r][live])
+            out.append((v.positions[r][live][order], v.keys[r][:, live][:, order], v.values[r][:, live][:, order],
+                        v.classes[r][live][order]))
+        return out
+
+    for a, b in zip(kept(eager), kept(static)):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    report = [s.live_tokens().tolist() for s in (eager, static)]
+    assert report[0] == report[1] and int(static.evictions_on_device) == 1

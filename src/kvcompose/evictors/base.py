@@ -35,18 +35,20 @@ class EvictionContext:
     class_names: tuple[str, ...] = ()  # the policy's token classes, e.g. ("R", "E", "T")
     prompt_columns: int = 0  # columns of the prefill: generated tokens have positions >= this
     segment: int = 0  # tokens per thought segment (the policy's refresh period), 0 if unused
+    check: bool = True  # test scores for NaN/inf (a host synchronization; static decode skips it)
 
 
-def keep_top(scores: torch.Tensor, ctx: EvictionContext, check: bool = True) -> torch.Tensor:
+def keep_top(scores: torch.Tensor, ctx: EvictionContext, check: bool | None = None) -> torch.Tensor:
     """Keep the ``ctx.keep[b]`` highest-scoring live tokens of each row; protected tokens first.
 
     Ties break toward the more recent token. Returns a ``[B, L]`` bool mask that
-    is a subset of ``ctx.valid``. ``check=False`` skips the NaN/inf test of the scores
-    (a host synchronization; static decode runs without it).
+    is a subset of ``ctx.valid``. ``check`` (default ``ctx.check``): test the scores for
+    NaN/inf, a host synchronization that static decode runs without (non-finite keys are
+    flagged by the store there).
     """
     if scores.shape != ctx.valid.shape:
         raise ValueError(f"scores have shape {tuple(scores.shape)}, expected {tuple(ctx.valid.shape)}")
-    if check and not torch.isfinite(scores[ctx.valid]).all():
+    if (ctx.check if check is None else check) and not torch.isfinite(torch.where(ctx.valid, scores, 0.0)).all():
         raise ValueError("evictor produced NaN/inf scores for live tokens")
     s = torch.where(ctx.protected & ctx.valid, torch.full_like(scores, float("inf")), scores)
     s = torch.where(ctx.valid, s, torch.full_like(s, float("-inf")))

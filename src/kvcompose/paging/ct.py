@@ -49,6 +49,9 @@ class ContinuousThinkingPager(Pager):
     def compact(self, store: LayerStore, view: StoreView, keep: torch.Tensor) -> None:
         if keep.shape != view.valid.shape:
             raise ValueError(f"keep mask shape {tuple(keep.shape)} differs from the view's {tuple(view.valid.shape)}")
+        if store.static:  # static decode: holes marked with fixed shapes and no host read
+            store.compact_static(view, keep & view.valid, in_place=True)
+            return
         if bool((keep & ~view.valid).any()):
             raise ValueError("keep mask selects empty slots")
         evicted = view.valid & ~keep

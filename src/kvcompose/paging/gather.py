@@ -32,6 +32,9 @@ class GatherPager(Pager):
     def compact(self, store: LayerStore, view: StoreView, keep: torch.Tensor) -> None:
         if keep.shape != view.valid.shape:
             raise ValueError(f"keep mask shape {tuple(keep.shape)} differs from the view's {tuple(view.valid.shape)}")
+        if store.static:  # static decode: the same result with fixed shapes and no host read
+            store.compact_static(view, keep & view.valid, in_place=False)
+            return
         if bool((keep & ~view.valid).any()):
             raise ValueError("keep mask selects empty slots")
         rows = (view.valid & ~keep).any(1)

@@ -357,7 +357,7 @@ class LayerStore:
         B = self.batch_size
         parts = []
         for index, region in enumerate(self.regions):
-            table = region.used_table()
+            table = region.table if self.static else region.used_table()  # static: no host read of the width
             pool = region.pool
             bs, W = pool.block_size, table.shape[1]
             ids = table.clamp(min=0).reshape(-1)
@@ -450,6 +450,46 @@ class LayerStore:
             target = torch.where(ev & (slots >= 0), slots, pool.trash_slot).reshape(-1)  # the rest hit the trash
             meta["valid"].index_fill_(0, target, False)
             meta["pos"].index_fill_(0, target, -1)
+
+    def compact_static(self, view: StoreView, keep: torch.Tensor, in_place: bool) -> None:
+        """Static mode: what a pager does after an eviction, with fixed shapes and no host read.
+
+        ``in_place`` (the ``ct`` pager): evicted slots become holes that later tokens of their
+        region refill. Otherwise (``gather``): each row's kept tokens of each region move, in
+        column order, to the row's first slots, as the eager pager's compaction leaves them.
+        ``view`` must come from :meth:`view` in static mode (every region's whole table). An
+        eviction that removed anything counts in ``evictions_on_device``."""
+        self.evictions_on_device += (view.valid & ~keep).any()
+        col = 0
+        for region in self.regions:
+            pool = region.pool
+            bs = pool.block_size
+            width = region.table.shape[1] * bs
+            phys, kept = view.phys[:, col:col + width], keep[:, col:col + width]
+            col += width
+            if in_place:
+                target = torch.where(view.valid[:, col - width:col] & ~kept, phys, pool.trash_slot).reshape(-1)
+                for name, flat in pool.flat_slots(pool.meta).items():
+                    flat.index_fill_(0, target, -1 if name == "pos" else 0)
+                continue
+            if pool.codec.group_tokens > 1:
+                raise ValueError(f"format {pool.codec.name!r} encodes {pool.codec.group_tokens} tokens together; "
+                                 "its tokens cannot be compacted one at a time")
+            order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)
+            source = phys.gather(1, order).reshape(-1)
+            count = kept.sum(1)
+            live = (torch.arange(width, device=self.device)[None, :] < count[:, None]).reshape(-1)
+            dest = phys.reshape(-1)
+            for tensors in (pool.slots, pool.meta):
+                for name, flat in pool.flat_slots(tensors).items():
+                    moved = flat[source]  # read every source before writing any destination
+                    if tensors is pool.meta:
+                        empty = torch.full_like(moved, -1 if name == "pos" else 0)
+                        moved = torch.where(live, moved, empty)
+                    flat[dest] = moved
+            region.length.copy_(count)
+            region.num_blocks.copy_((count + bs - 1) // bs)
+        self._repack_buffer(keep[:, col:])
 
     def evict_one(self, **choice) -> torch.Tensor:
         """Static mode, one region: each row over ``choice["budget"]`` drops one token where it

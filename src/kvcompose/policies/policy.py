@@ -330,6 +330,7 @@ class Policy:
             class_names=tuple(self.classes),
             prompt_columns=store.prompt_columns or 0,
             segment=self.refresh,
+            check=not store.static,
         )
 
     def protected(self, view: StoreView, is_prompt: torch.Tensor) -> torch.Tensor:
