@@ -266,3 +266,13 @@ def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pag
             assert torch.equal(x, y)
     report = [s.live_tokens().tolist() for s in (eager, static)]
     assert report[0] == report[1] and int(static.evictions_on_device) == 1
+
+
+@pytest.mark.slow
+def test_thinkv_static_path_matches_eager_after_the_ct_pager_moves_tokens(llama):
+    """Long enough for the eager ct pager to move tokens into holes (static mode never moves
+    them): ThinKV's selection must not depend on which slots its tokens lie in."""
+    policy = Policy.from_preset("thinkv-tbe", budget=48, refresh=16)
+    _, ids, mask = left_padded([20, 13, 31])
+    expected, got, _, _ = _run_both(llama, policy, ids, mask, 100)
+    assert torch.equal(expected, got)  # failed while tbe fed K-means its segments in slot order

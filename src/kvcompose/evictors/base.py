@@ -50,6 +50,7 @@ def keep_top(scores: torch.Tensor, ctx: EvictionContext, check: bool | None = No
         raise ValueError(f"scores have shape {tuple(scores.shape)}, expected {tuple(ctx.valid.shape)}")
     if (ctx.check if check is None else check) and not torch.isfinite(torch.where(ctx.valid, scores, 0.0)).all():
         raise ValueError("evictor produced NaN/inf scores for live tokens")
+    scores = torch.nan_to_num(scores, nan=float("-inf"))  # unchecked NaN never outranks a protected token
     s = torch.where(ctx.protected & ctx.valid, torch.full_like(scores, float("inf")), scores)
     s = torch.where(ctx.valid, s, torch.full_like(s, float("-inf")))
     # Two stable sorts: by position first, then by score, so ties go to the newer token.

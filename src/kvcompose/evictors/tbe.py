@@ -112,7 +112,10 @@ class ThoughtEvictor(Evictor):
         B, H, L, D = ctx.keys.shape
         tau = ctx.segment
         members = (seg[rows] == segs[:, None]) & ctx.valid[rows]  # [P, L]
-        cols = torch.argsort((~members).to(torch.int8), dim=1, stable=True)[:, :tau]
+        # Members in position order, whatever slots they lie in (K-means seeds and ties follow
+        # this order, so the choice must not depend on where a pager put the tokens).
+        order_key = torch.where(members, ctx.positions[rows], torch.iinfo(torch.long).max)
+        cols = torch.argsort(order_key, dim=1, stable=True)[:, :tau]
         live = members.gather(1, cols)
         flat = ctx.keys.permute(0, 2, 1, 3).reshape(B * L, H * D)
         keys = flat[rows[:, None] * L + cols]  # [P, tau, H*D]

@@ -167,8 +167,8 @@ class Region:
             return
         front = rows[:, None] & (col < live[:, None])
         # Per row, the holes among the first `live` columns and the live tokens after them are
-        # equally many; boolean indexing lists both row by row in column order, so the k-th
-        # token written last of a row goes to that row's k-th earliest hole.
+        # equally many; boolean indexing lists both row by row in column order, so a row's k-th
+        # token beyond its first `live` columns goes to its k-th earliest hole.
         dst = phys[front & written & ~valid]
         src = phys[rows[:, None] & valid & (col >= live[:, None])]
         for tensors in (pool.slots, pool.meta):

@@ -463,6 +463,8 @@ class LayerStore:
         col = 0
         for region in self.regions:
             pool = region.pool
+            if not pool.codec.slot_local:
+                raise ValueError(f"format {pool.codec.name!r} shares scales across tokens; it cannot be evicted from")
             bs = pool.block_size
             width = region.table.shape[1] * bs
             phys, kept = view.phys[:, col:col + width], keep[:, col:col + width]
