@@ -81,7 +81,8 @@ class Evictor:
     #: A slot channel that only accumulates each step's attention probability averaged over
     #: the query heads (what :meth:`observe` adds on a decode step): the fused decode attention
     #: then adds it on the device and no probabilities are materialized. None: decode steps
-    #: call :meth:`observe` with the probabilities.
+    #: call :meth:`observe` with the probabilities. A subclass that overrides :meth:`observe`
+    #: with anything else must set this back to None.
     mass_channel: str | None = None
     #: Whether :meth:`scores` reads keys or queries (False: positions and slot channels only,
     #: which static decode can evict from inside a captured step).
