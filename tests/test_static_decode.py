@@ -143,6 +143,9 @@ def test_capacity_follows_the_trigger():
     assert static_capacity(Policy.from_preset("rkv", budget=64), 100, 500) == 100 + 128 + 16
     assert static_capacity(Policy.from_preset("rkv", budget=64), 10, 20) == 30
     assert static_capacity(Policy.from_preset("rpc"), 10, 9000) == 9010  # no bound: the whole length
+    # tbe keeps the prompt and at least 4 tokens of every completed segment: 31 + 12 x 4 = 79 > budget 40
+    thinkv = Policy.from_preset("thinkv", budget=40, refresh=8, block_size=4, group_size=4)
+    assert static_capacity(thinkv, 31, 100) == 79 + 8 + 4
 
 
 def test_static_path_refuses_what_it_cannot_run(llama):
@@ -276,3 +279,14 @@ def test_thinkv_static_path_matches_eager_after_the_ct_pager_moves_tokens(llama)
     _, ids, mask = left_padded([20, 13, 31])
     expected, got, _, _ = _run_both(llama, policy, ids, mask, 100)
     assert torch.equal(expected, got)  # failed while tbe fed K-means its segments in slot order
+
+
+def test_static_capacity_covers_what_tbe_cannot_evict(llama):
+    """A budget below what ThinKV's step-downs can reach (prompt + 4 tokens per completed
+    segment) still decodes on the static path, with the eager tokens."""
+    policy = Policy.from_preset("thinkv-tbe", budget=40, refresh=8, block_size=4, group_size=4)
+    _, ids, mask = left_padded([20, 13, 31])
+    expected, got, eager, static = _run_both(llama, policy, ids, mask, 60)
+    static.check_errors()
+    assert torch.equal(expected, got)
+    assert int(eager.layers[0].store.live_tokens().max()) > 40  # the eager path keeps more than the budget too

@@ -92,6 +92,12 @@ class Evictor:
     #: see :mod:`kvcompose.ops.evict_one`); None: only :meth:`scores` knows.
     score_source: str | None = None
 
+    def min_kept(self, prompt_columns: int, new_tokens: int, segment: int) -> int:
+        """The fewest tokens per row this evictor can leave after ``new_tokens`` decode steps,
+        whatever the budget (0: it can go down to the budget). Static decode sizes its
+        capacity from the larger of the two."""
+        return 0
+
     def scores(self, ctx: EvictionContext) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 

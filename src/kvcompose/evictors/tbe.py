@@ -53,6 +53,11 @@ class ThoughtEvictor(Evictor):
         if not isinstance(self.kmeans_iters, int) or self.kmeans_iters < 0:
             raise ValueError(f"tbe evictor: kmeans_iters must be an int >= 0, got {self.kmeans_iters!r}")
 
+    def min_kept(self, prompt_columns: int, new_tokens: int, segment: int) -> int:
+        """The prompt is never evicted and a completed segment never shrinks below the last
+        retention value, so a long run keeps more than a small budget."""
+        return prompt_columns + (new_tokens // max(segment, 1)) * min(segment, self.retention[-1])
+
     def _next(self, size: torch.Tensor) -> torch.Tensor:
         """The next retention value below ``size`` (``size`` itself at or under the floor)."""
         sched = torch.tensor(self.retention, device=size.device)

@@ -36,8 +36,8 @@ class StepPlan:
 
 def static_capacity(policy, prompt_columns: int, max_new_tokens: int) -> int:
     """Tokens per row and region that static decode reserves: the whole sequence for policies
-    without a bound, else the budget (or the prompt, if longer) plus what the trigger lets
-    a row gain before it acts, plus one buffer group."""
+    without a bound, else the budget (or the prompt, or what the evictor cannot remove, if
+    larger) plus what the trigger lets a row gain before it acts, plus one buffer group."""
     full = prompt_columns + max_new_tokens
     if policy.evictor is None or policy.budget is None:
         return full
@@ -45,7 +45,8 @@ def static_capacity(policy, prompt_columns: int, max_new_tokens: int) -> int:
     head = policy.trigger.headroom(TriggerInput(none, none, none, policy.budget, policy.refresh))
     if head is None:
         return full
-    return min(full, max(prompt_columns, policy.budget) + head + policy.group_size)
+    floor = policy.evictor.min_kept(prompt_columns, max_new_tokens, policy.refresh)
+    return min(full, max(prompt_columns, policy.budget, floor) + head + policy.group_size)
 
 
 class Schedule:
