@@ -27,6 +27,7 @@ import torch
 
 from ..registry import register
 from .gather import Pager
+from .pool import empty_value
 from .store import LayerStore, StoreView
 
 
@@ -66,7 +67,7 @@ class ContinuousThinkingPager(Pager):
                 raise ValueError(f"format {pool.codec.name!r} shares scales across tokens; it cannot be evicted from")
             slots = view.phys[at]
             for name, flat in pool.flat_slots(pool.meta).items():
-                flat[slots] = -1 if name == "pos" else 0
+                flat[slots] = empty_value(name)
             region.has_holes = True
             region.release_empty_blocks()
             if self.max_hole_blocks is not None:

@@ -17,6 +17,12 @@ import torch
 from .codec import SlotCodec
 
 
+def empty_value(channel: str) -> int:
+    """What a per-slot metadata channel holds in an empty slot: -1 for ``pos``, else 0
+    (``valid`` False, float channels 0)."""
+    return -1 if channel == "pos" else 0
+
+
 class BlockPool:
     """Blocks of ``block_size`` slots in one storage format."""
 
@@ -148,7 +154,7 @@ class BlockPool:
 
         self.slots = {n: grown(t, 0) for n, t in self.slots.items()}
         self.blocks = {n: grown(t, 0) for n, t in self.blocks.items()}
-        self.meta = {n: grown(t, -1 if n == "pos" else 0) for n, t in self.meta.items()}
+        self.meta = {n: grown(t, empty_value(n)) for n, t in self.meta.items()}
         # The free list is a stack; fresh ids go underneath so freed blocks are reused first.
         stack = torch.cat([torch.arange(new - 1, old - 1, -1, device=self.device), self._free[: self.num_free]])
         self._free = torch.empty(new, dtype=torch.long, device=self.device)

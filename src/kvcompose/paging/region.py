@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .pool import BlockPool
+from .pool import BlockPool, empty_value
 
 
 class Region:
@@ -175,7 +175,7 @@ class Region:
             for name, flat in pool.flat_slots(tensors).items():
                 flat[dst] = flat[src]
         for name, flat in pool.flat_slots(pool.meta).items():
-            flat[src] = -1 if name == "pos" else 0
+            flat[src] = empty_value(name)
         self.release_empty_blocks()
 
     def fix_width(self, width: int) -> None:

@@ -21,7 +21,7 @@ import torch
 from ..ops.evict_one import evict_one_in_place
 from ..ops.paged_attention import KVOperand, PagedSource
 from .codec import DenseCodec, SlotCodec
-from .pool import BlockPool
+from .pool import BlockPool, empty_value
 from .region import Region
 
 
@@ -224,7 +224,7 @@ class LayerStore:
         self.buf_k[r, d] = picked[0]
         self.buf_v[r, d] = picked[1]
         for (name, t), vals in zip(self.buf_meta.items(), picked[2:]):
-            t.fill_(-1 if name == "pos" else 0)
+            t.fill_(empty_value(name))
             t[r, d] = vals
         self.buf_len.copy_(keep.sum(1))
 
@@ -245,7 +245,7 @@ class LayerStore:
             return out
 
         self.buf_k, self.buf_v = wider(self.buf_k, 0), wider(self.buf_v, 0)
-        self.buf_meta = {n: wider(t, -1 if n == "pos" else 0) for n, t in self.buf_meta.items()}
+        self.buf_meta = {n: wider(t, empty_value(n)) for n, t in self.buf_meta.items()}
 
     # ----------------------------------------------------------- static mode
     def fix_capacity(self, tokens: int) -> None:
@@ -472,7 +472,7 @@ class LayerStore:
             if in_place:
                 target = torch.where(view.valid[:, col - width:col] & ~kept, phys, pool.trash_slot).reshape(-1)
                 for name, flat in pool.flat_slots(pool.meta).items():
-                    flat.index_fill_(0, target, -1 if name == "pos" else 0)
+                    flat.index_fill_(0, target, empty_value(name))
                 continue
             if pool.codec.group_tokens > 1:
                 raise ValueError(f"format {pool.codec.name!r} encodes {pool.codec.group_tokens} tokens together; "
@@ -486,7 +486,7 @@ class LayerStore:
                 for name, flat in pool.flat_slots(tensors).items():
                     moved = flat[source]  # read every source before writing any destination
                     if tensors is pool.meta:
-                        empty = torch.full_like(moved, -1 if name == "pos" else 0)
+                        empty = torch.full_like(moved, empty_value(name))
                         moved = torch.where(live, moved, empty)
                     flat[dest] = moved
             region.length.copy_(count)
@@ -504,7 +504,7 @@ class LayerStore:
 
     def _buffer_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every per-slot tensor of the buffer with the value of an empty slot."""
-        return [(self.buf_k, 0), (self.buf_v, 0)] + [(t, -1 if n == "pos" else 0) for n, t in self.buf_meta.items()]
+        return [(self.buf_k, 0), (self.buf_v, 0)] + [(t, empty_value(n)) for n, t in self.buf_meta.items()]
 
     def _repack_buffer(self, keep: torch.Tensor) -> None:
         """Move the buffer's ``keep`` tokens, in order, to its front (fixed shapes)."""
