@@ -27,8 +27,8 @@ from kvcompose.registry import ComponentSpecError, UnknownComponentError
 DOC = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 SECTION = "## Bad input: every check and its message"
 
-PRESETS = ("fp8, fullkv, h2o, kivi2, kivi4, nvfp4, rkv, rpc, snapkv, streamingllm, thinkv, thinkv-tbe, "
-           "thinkv-tbq")
+PRESETS = ("fp8, fullkv, h2o, kivi2, kivi4, nvfp4, reasoncache, reasoncache-random, rkv, rpc, snapkv, streamingllm, "
+           "thinkv, thinkv-tbe, thinkv-tbq")
 BUDGET_RKV = ("Policy 'rkv': budget={b} is smaller than this policy needs (9: 0 sinks + 8 protected recent "
               "tokens + 1 for trigger 'buffer'); use budget >= 9")
 NAN = ("layer 1: the model produced NaN/inf keys or values; the cache does not store them. Typical causes: fp16 "
@@ -82,6 +82,19 @@ def _used_cache(model, preset="fullkv"):
 def _forward(model, policy):
     _, ids, mask = left_padded([5, 3])
     model(input_ids=ids, attention_mask=mask, past_key_values=policy.make_cache(model))
+
+
+def _forward_without_tokens(model):
+    _, ids, mask = left_padded([5])
+    model(input_ids=ids, attention_mask=mask, past_key_values=Policy.from_preset("reasoncache").make_cache(
+        model, tokenizer=object()))
+
+
+def _fast_text_policy(model):
+    from kvcompose.hf.static import fast_generate
+
+    _, ids, mask = left_padded([5])
+    fast_generate(model, Policy.from_preset("reasoncache").make_cache(model, tokenizer=object()), ids, mask, 4)
 
 
 def _sdpa_make_cache(model):
@@ -333,7 +346,7 @@ CASES = [
     Case("unknown-component", lambda _: P(evictor="kmeans", trigger="over_budget", budget=64), UnknownComponentError,
          "unknown evictor 'kmeans'; known evictors: attention, h2o, rkv, tbe, window"),
     Case("unknown-kind", lambda _: registry.get("scorer", "x"), UnknownComponentError,
-         "unknown component kind 'scorer'; known kinds: quantizer, classifier, evictor, pager, trigger"),
+         "unknown component kind 'scorer'; known kinds: quantizer, classifier, evictor, pager, trigger, filter"),
     Case("unknown-component-field", lambda _: P.from_preset("rkv", evictor={"alpha": 1}), ValueError,
          "evictor 'rkv' has no field(s) ['alpha']; accepted fields: ['gqa', 'head_reduce', 'keep_recent_similar', "
          "'lam', 'pool', 'pool_width', 'threshold', 'window', 'window_reduce']"),
@@ -358,7 +371,7 @@ CASES = [
     Case("evictor-without-trigger", lambda _: P(evictor="window", budget=64), ValueError,
          "Policy needs both an evictor and a trigger to compress (or neither for a full cache); "
          "got evictor=..., trigger=None"),
-    Case("no-pager", lambda _: P(pager=None), ValueError, "Policy.pager is required; known pagers: ct, gather"),
+    Case("no-pager", lambda _: P(pager=None), ValueError, "Policy.pager is required; known pagers: ct, gather, share"),
     *[Case(f"policy-name-{value!r}", lambda _, v=value: P(name=v), ValueError,
            "Policy.name must be a non-empty string, got ...") for value in (5, "")],
     Case("ct-hole-limit", lambda _: P.from_preset("thinkv", pager={"max_hole_blocks": 0}), ValueError,
@@ -433,10 +446,35 @@ CASES = [
                                  precision={"R": None, "E": None, "T": None})),
          ValueError, "sparsity_kde classifier reads layers [5], but the sparsity has only 2 layers; was it "
                      "calibrated for another model (None)?"),
-    Case("text-classifier",
-         lambda _: P(classifier="keyword", precision={"R": None, "E": None, "T": None}), ValueError,
-         "classifier 'keyword' reads decoded text, which the attention path does not see; use it offline on text, "
-         "or use sparsity_kde/constant inside a policy"),
+    Case("text-policy-without-tokenizer",
+         lambda m: P(classifier="keyword", precision={"R": None, "E": None, "T": None}).make_cache(m), ValueError,
+         "Policy 'custom': classifier 'keyword' reads the generated text; pass tokenizer= to make_cache "
+         "(policy.generate passes its own)"),
+    Case("text-policy-without-tokens", _forward_without_tokens, ValueError,
+         "policy 'reasoncache': filter 'collaborative' reads the generated text, but the ids of columns 0..4 were not "
+         "given to the cache: call cache.observe_tokens(input_ids, attention_mask) before each forward, or pass "
+         "streamer=cache.token_streamer(attention_mask) to model.generate (policy.generate does it)"),
+    Case("tokens-mask-width",
+         lambda m: P.from_preset("reasoncache").make_cache(m, tokenizer=object()).observe_tokens(
+             torch.ones(1, 4, dtype=torch.long), torch.ones(1, 3)), ValueError,
+         "observe_tokens: attention_mask covers 3 columns; expected the 4 new ones or all 4 so far"),
+    Case("filter-without-share-pager", lambda _: P(filter="collaborative"), ValueError,
+         "Policy 'custom': filter 'collaborative' decides which blocks to share, which needs pager 'share' (got "
+         "'gather')"),
+    Case("share-pager-several-classes", lambda _: P(pager="share", precision={"R": None, "T": "ternary"}), ValueError,
+         "Policy 'custom': pager 'share' works on one token class; precision maps ['R', 'T']. Use one class, e.g. "
+         "precision={'all': 'nvfp4'}"),
+    Case("filter-thresholds", lambda _: P.from_preset("reasoncache", filter={"tau_soft": 0.95}), ValueError,
+         "collaborative filter: tau_soft=0.95 is above tau_strict=0.9; the soft threshold must not exceed the strict "
+         "one"),
+    Case("filter-percentile", lambda _: P.from_preset("reasoncache", filter={"percentile": 0}), ValueError,
+         "collaborative filter: percentile=0; accepted: a number in (0, 100]"),
+    Case("random-filter-rate", lambda _: P.from_preset("reasoncache-random", filter={"rate": 2}), ValueError,
+         "random filter: rate=2; accepted: a number in [0, 1]"),
+    Case("fast-text-policy", _fast_text_policy, ValueError,
+         "static decode: policy 'reasoncache''s filter 'collaborative' reads the generated text on the host after "
+         "every step; decode eagerly (model.generate with streamer=cache.token_streamer(...), or "
+         "policy.generate(..., fast=False))"),
     # models
     Case("attn-implementation", _sdpa_make_cache, UnsupportedModelError,
          "LlamaForCausalLM uses attn_implementation='sdpa'; a kvcompose cache needs attn_implementation='kvcompose': "

@@ -70,6 +70,9 @@ class Report:
     dtype: str = ""  # what the model computes in (the dtype of the full-precision tensors held)
     basis: str = ""  # the full cache's dtype that the byte counts and fractions are stated in
     held_bytes: dict = field(default_factory=dict)  # {"in_use", "allocated", "full"} as held, in ``dtype``
+    # Block sharing (share pager): steps decided, blocks shared, share rate, filter time per step, and
+    # memory_saving_ratio = bytes sharing saves / bytes in use without it (ReasonCache's memory saving ratio).
+    sharing: dict = field(default_factory=dict)
 
     @classmethod
     def from_cache(cls, cache) -> "Report":
@@ -110,6 +113,7 @@ class Report:
             dtype=dtype_name(layers[0].dtype),
             basis=dtype_name(basis),
             held_bytes={k: sum(m[k] for m in held) for k in ("in_use", "allocated", "full")},
+            sharing=_sharing(cache, total("in_use"), total("saved_by_sharing")),
         )
 
     @property
@@ -150,6 +154,19 @@ class Report:
         if self.thought_mix and len(self.thought_mix) > 1:
             mix = ", ".join(f"{c} {p:.1f}%" for c, p in self.thought_mix.items())
             lines.append(f"thought mix    {mix} ({self.refreshes} refreshes)")
+        if self.sharing:
+            sh = self.sharing
+            lines.append(f"sharing        {sh['shared_blocks']} of {sh['shareable_blocks']} sealed step blocks shared "
+                         f"({sh['steps']} steps); saves {100 * sh['memory_saving_ratio']:.1f}% of memory; filter "
+                         f"{sh['filter_ms_per_step']:.2f} ms per step (budget {sh['budget_ms_per_step']} ms)")
         if self.time_s:
             lines.append("time           " + ", ".join(f"{k} {v:.3f}s" for k, v in self.time_s.items()))
         return "\n".join(lines)
+
+
+def _sharing(cache, in_use: int, saved: int) -> dict:
+    """The sharing tracker's counts plus the memory saving ratio (empty without sharing)."""
+    if getattr(cache, "sharing", None) is None:
+        return {}
+    return {**cache.sharing.report(), "saved_bytes": saved,
+            "memory_saving_ratio": saved / (in_use + saved) if in_use + saved else 0.0}

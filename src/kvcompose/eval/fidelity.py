@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .match import match_memory
+from .match import match_memory, match_share_rate
 from .metrics import MEMORY_BASIS, TOPK
 from .overrides import build_policies, check_overrides, preset_policy
 from .replays import Replay, combine_checks, evaluate
@@ -102,7 +102,7 @@ def compare(model, tokenizer, prompts: list[str], policies: dict, *, max_new_tok
                                      pad_token_id=pad, progress=bar)
             bar.total -= (max_new_tokens - traj.num_steps) * n_passes
             bar.refresh()
-            results, check = evaluate(model, traj, policies, topk=topk, progress=bar)
+            results, check = evaluate(model, traj, policies, topk=topk, progress=bar, tokenizer=tokenizer)
             trajectories.append(traj)
             checks.append(check)
             for label, rep in results.items():
@@ -144,7 +144,10 @@ def compare_presets(model, tokenizer, prompts: list[str], presets: Iterable[str]
     """:func:`compare` over named presets: a budget sweep (``budgets``) or memory matched by measurement.
 
     With ``match_memory_pct``, each compressing preset's budget (RPC: its period) is
-    calibrated on the first prompt by :func:`match_memory` before the comparison.
+    calibrated on the first prompt by :func:`match_memory` before the comparison. With both
+    ``reasoncache`` and ``reasoncache-random``, the random baseline's share rate is set to
+    the one ``reasoncache`` measures on the first prompt (:func:`match_share_rate`), so the
+    two save the same share of sealed step blocks.
     """
     from tqdm.auto import tqdm
 
@@ -155,12 +158,12 @@ def compare_presets(model, tokenizer, prompts: list[str], presets: Iterable[str]
         raise ValueError("give budgets or match_memory_pct, not both")
     selection: dict[str, Any] = {"presets": presets, "budgets": list(budgets) if budgets else None,
                                  "match_memory": match_memory_pct, "overrides": overrides or {}}
-    if match_memory_pct is None:
-        policies = build_policies(presets, budgets, overrides)
-    else:
-        check_overrides(presets, overrides)
-        for name in presets:  # fail on a bad preset before minutes of calibration
-            preset_policy(name, overrides)
+    check_overrides(presets, overrides)
+    for name in presets:  # fail on a bad preset before minutes of calibration
+        preset_policy(name, overrides)
+    policies = build_policies(presets, budgets, overrides) if match_memory_pct is None else None
+    sharing_pair = {"reasoncache", "reasoncache-random"} <= set(presets)
+    if match_memory_pct is not None or sharing_pair:  # calibrate on the first prompt
         enc = encode_prompts(tokenizer, [prompts[0]], kwargs.get("chat"))
         min_new = max_new_tokens if min_new_tokens is None else min_new_tokens
         with tqdm(total=0, desc="calibrating", unit="step", disable=not progress, leave=False) as bar:
@@ -177,9 +180,13 @@ def compare_presets(model, tokenizer, prompts: list[str], presets: Iterable[str]
                 def set_postfix_str(self, s):
                     bar.set_postfix_str(s)
 
-            policies, records = match_memory(model, traj, presets, match_memory_pct, overrides=overrides,
-                                             progress=_Grow())
-        selection["calibration"] = records
+            records = []
+            if match_memory_pct is not None:
+                policies, records = match_memory(model, traj, presets, match_memory_pct, overrides=overrides,
+                                                 progress=_Grow())
+            shared = match_share_rate(model, traj, policies, overrides=overrides, tokenizer=tokenizer,
+                                      progress=_Grow())
+        selection["calibration"] = records + ([shared] if shared else [])
     return compare(model, tokenizer, prompts, policies, max_new_tokens=max_new_tokens,
                    min_new_tokens=min_new_tokens, batch_size=batch_size, progress=progress,
                    selection=selection, **kwargs)

@@ -92,3 +92,25 @@ def match_memory(model, trajectory: Trajectory, presets: Iterable[str], target_p
                         "target_pct": target_pct, "reached": reached,
                         "tried": {str(k): v for k, v in sorted(measured.items())}})
     return chosen, records
+
+
+def match_share_rate(model, trajectory: Trajectory, policies: dict, *, overrides: dict | None = None,
+                     tokenizer=None, progress=None) -> dict | None:
+    """ReasonCache's random baseline at ReasonCache's memory saving: replay ``reasoncache`` on
+    ``trajectory`` (memory only), and give ``reasoncache-random`` (in ``policies``, replaced in
+    place) the share rate it measured, so both share the same fraction of sealed step blocks.
+    Skipped (None) unless both presets are compared and ``--set`` leaves the random rate alone."""
+    labels = {p.name: label for label, p in policies.items()}
+    if not {"reasoncache", "reasoncache-random"} <= set(labels):
+        return None
+    if "rate" in (overrides or {}).get("reasoncache-random", {}).get("filter", {}):
+        return None
+    if progress is not None:
+        progress.set_postfix_str("matching reasoncache-random's share rate")
+    measured = replay(model, trajectory, policies[labels["reasoncache"]], metrics=False, tokenizer=tokenizer,
+                      progress=progress).sharing
+    rate = measured["share_rate"]
+    policies[labels["reasoncache-random"]] = preset_policy("reasoncache-random", overrides, filter={"rate": rate})
+    return {"preset": "reasoncache-random", "knob": "filter.rate", "value": rate,
+            "matched_to": "reasoncache share_rate", "shared_blocks": measured["shared_blocks"],
+            "shareable_blocks": measured["shareable_blocks"]}

@@ -86,6 +86,7 @@ class Replay:
     peak_kv_bytes: int
     seconds: float
     topk: list | None = None  # reference only: per step (positions, ok) [N, B, Hq, k]
+    sharing: dict | None = None  # the final report's sharing counts (share pager policies)
 
     @property
     def memory_pct(self) -> torch.Tensor:
@@ -93,12 +94,14 @@ class Replay:
 
 
 def replay(model, trajectory: Trajectory, policy, *, label: str | None = None, reference: list | None = None,
-           collect_topk: int = 0, metrics: bool = True, progress=None) -> Replay:
+           collect_topk: int = 0, metrics: bool = True, progress=None, tokenizer=None) -> Replay:
     """Feed ``trajectory`` through ``model`` on a fresh cache of ``policy`` and measure every step.
 
     ``collect_topk=k`` also records the top-k attention positions (use it with
     ``fullkv`` to build the reference); ``reference`` is such a record, against which
     key recall is measured. ``metrics=False`` measures memory only (calibration).
+    ``tokenizer``: for policies that read the generated text (the ids are fed to the
+    cache before each forward, as ``policy.generate`` does).
     """
     from ..hf.attention import ATTENTION_NAME
 
@@ -112,12 +115,14 @@ def replay(model, trajectory: Trajectory, policy, *, label: str | None = None, r
     kv, full = torch.zeros(B, T, dtype=torch.float64), torch.zeros(B, T, dtype=torch.float64)
     batch_kv, batch_full = [], []
     with attention(model, ATTENTION_NAME), torch.inference_mode():
-        cache = policy.make_cache(model, memory_basis=MEMORY_BASIS)
+        cache = policy.make_cache(model, memory_basis=MEMORY_BASIS, tokenizer=tokenizer if policy.needs_text else None)
         if metrics:
             cache.observers.append(rec)
         ids, mask = trajectory.input_ids, trajectory.attention_mask
         for t in range(T):
             rec.layers.clear()
+            if policy.needs_text:
+                cache.observe_tokens(ids, mask)
             logits, _ = forward_step(model, ids, mask, cache)
             report = cache.report()
             kv[:, t], full[:, t] = row_memory(report, B)
@@ -146,6 +151,7 @@ def replay(model, trajectory: Trajectory, policy, *, label: str | None = None, r
         label or policy_label(policy), policy.to_config(), agree, kl, nll, nll_full, recall,
         torch.stack(recall_layers, 1) if recall_layers else torch.zeros(B, T, 0), kv, full, batch_kv, batch_full,
         report.evictions, report.peak_kv_bytes, time.perf_counter() - start, tops if collect_topk else None,
+        report.sharing or None,
     )
 
 
@@ -174,7 +180,7 @@ def combine_checks(checks: list[dict]) -> dict:
             "attention": attention, "message": message}
 
 
-def evaluate(model, trajectory: Trajectory, policies: dict, *, topk: int = TOPK, progress=None):
+def evaluate(model, trajectory: Trajectory, policies: dict, *, topk: int = TOPK, progress=None, tokenizer=None):
     """Reference fullkv replay (+ self-check), then every policy, on one trajectory batch.
 
     Returns ``({label: Replay}, self_check dict)``. A policy configured exactly like
@@ -194,5 +200,6 @@ def evaluate(model, trajectory: Trajectory, policies: dict, *, topk: int = TOPK,
             continue
         if progress is not None:
             progress.set_postfix_str(label)
-        out[label] = replay(model, trajectory, policy, label=label, reference=reference.topk, progress=progress)
+        out[label] = replay(model, trajectory, policy, label=label, reference=reference.topk, progress=progress,
+                            tokenizer=tokenizer)
     return out, check

@@ -71,8 +71,20 @@ def _aggregate(replays: list[Replay], trajectories: list[Trajectory]) -> tuple[d
 def policy_record(label: str, policy, replays: list[Replay], trajectories: list[Trajectory]) -> dict:
     """One policy's entry in :attr:`FidelityResult.policies`: its config, aggregates and per-step arrays."""
     agg, per_prompt = _aggregate(replays, trajectories)
-    return {"label": label, "preset": policy.name, "config": policy.to_config(), "aggregates": agg,
-            "per_prompt": per_prompt}
+    record = {"label": label, "preset": policy.name, "config": policy.to_config(), "aggregates": agg,
+              "per_prompt": per_prompt}
+    if replays and replays[0].sharing:  # block sharing: counts summed over batches, rates recomputed
+        record["sharing"] = _sharing_totals([r.sharing for r in replays])
+    return record
+
+
+def _sharing_totals(reports: list[dict]) -> dict:
+    """Sharing counts of several batches added up (with their share rate and filter time per step)."""
+    total = {k: sum(r[k] for r in reports) for k in ("steps", "shareable_blocks", "decisions", "shared_blocks")}
+    total["share_rate"] = total["shared_blocks"] / total["shareable_blocks"] if total["shareable_blocks"] else 0.0
+    steps = total["steps"]
+    total["filter_ms_per_step"] = (sum(r["filter_ms_per_step"] * r["steps"] for r in reports) / steps) if steps else 0.0
+    return total
 
 
 def prompt_records(trajectories: list[Trajectory], replays: list[Replay], tokenizer, prompts: list[str]) -> list[dict]:

@@ -22,7 +22,9 @@ from ..paging import LayerStore, StoreView
 from ..report import memory_dtype
 from .attention import ATTENTION_NAME, LAYER_ATTR, CacheReuseError, UnsupportedModelError
 from .counters import StepCounters
+from .sharing import SharingTracker
 from .thoughts import ThoughtTracker
+from .tokens import TokenStream, TokenStreamer
 from .timing import PhaseTimer
 
 if TYPE_CHECKING:
@@ -126,6 +128,9 @@ class KVComposeLayer(CacheLayerMixin):
         else:
             if self.layer_idx == 0:
                 self.cache.counters.begin_forward()
+                if policy.needs_text:
+                    self.cache.tokens.check_covers(store.columns_seen + key.shape[2],
+                                                   f"policy {policy.name!r}: {policy.needs_text}")
             store.check_input(key, value)  # before the thought classes index rows by batch
             cls = thoughts.classes_for(self.layer_idx, key.shape[0], key.shape[2], real, key.device)
             positions = store.append(key, value, real, cls)
@@ -156,6 +161,11 @@ class KVComposeLayer(CacheLayerMixin):
         if evicted:
             self.cache.counters.note_eviction()
             self.cache._note_memory(self.layer_idx)
+        if self.cache.sharing is not None and self.layer_idx == len(self.cache.layers) - 1:
+            with self.cache.timer.phase("sharing"):
+                shared = self.cache.sharing.after_forward()
+            for layer in self.cache.layers if shared else ():  # shared blocks count once from now on
+                self.cache._note_memory(layer.layer_idx)
         return out.transpose(1, 2).contiguous()
 
     def _check_continues(self, columns: int | None, new: int) -> None:
@@ -270,8 +280,9 @@ class KVComposeCache(Cache):
     """A transformers cache whose layers live in the kvcompose paged store."""
 
     def __init__(self, policy: "Policy", num_layers: int, fused_attention: bool = True,
-                 memory_basis: "torch.dtype | str | None" = torch.bfloat16):
+                 memory_basis: "torch.dtype | str | None" = torch.bfloat16, tokenizer=None):
         self.policy = policy
+        self.tokenizer = tokenizer  # decodes the token stream for components that read text
         # The dtype of the full cache that memory figures compare with (None: the model's own);
         # see kvcompose.report.
         self.memory_basis = memory_dtype(memory_basis)
@@ -288,7 +299,9 @@ class KVComposeCache(Cache):
     def _start(self) -> None:
         self.timer = PhaseTimer()  # seconds per phase, when timing is on (time_phases)
         self.counters = StepCounters()
-        self.thoughts = ThoughtTracker(self.policy, len(self.layers), self.timer)
+        self.tokens = TokenStream(self.tokenizer)  # ids fed through observe_tokens
+        self.thoughts = ThoughtTracker(self.policy, len(self.layers), self.timer, self.tokens)
+        self.sharing = SharingTracker(self) if self.policy.filter is not None else None
         # Static decode (kvcompose.hf.static) sets this to the current step's StepPlan.
         self.step_plan = None
         self.static_decoder = None  # the StaticDecoder of that path, for its counts of eager steps and replays
@@ -296,6 +309,18 @@ class KVComposeCache(Cache):
         self._peak = 0
         self._in_use_device: torch.Tensor | None = None  # [layers] bytes, static mode (no host sync)
         self._peak_device: torch.Tensor | None = None
+
+    def observe_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Give the cache the ids of the tokens the next forward pass appends (``[B, T]``; the
+        mask marks padding, and may cover these columns or all so far). Policies whose
+        components read the generated text need it before every forward; others ignore it."""
+        self.tokens.observe(input_ids, attention_mask)
+
+    def token_streamer(self, attention_mask: torch.Tensor | None = None, then=None) -> TokenStreamer:
+        """A streamer for ``model.generate(..., streamer=...)`` that calls :meth:`observe_tokens`
+        with the prompt (``attention_mask``: the prompt's) and then with every new token.
+        ``then``: another streamer to pass the tokens on to."""
+        return TokenStreamer(self, attention_mask, then)
 
     def reset(self) -> None:
         """Empty every layer and the per-sequence state, ready for a new generation."""

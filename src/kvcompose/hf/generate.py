@@ -77,7 +77,10 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
     greedy = not generate_kwargs.get("do_sample", getattr(model.generation_config, "do_sample", False))
     other = sorted(set(generate_kwargs) - FAST_KWARGS - {"do_sample"})
     if fast is None:
-        fast = model.device.type == "cuda" and greedy and not other
+        fast = model.device.type == "cuda" and greedy and not other and not policy.needs_text
+    elif fast and policy.needs_text:
+        raise ValueError(f"fast=True: policy {policy.name!r}'s {policy.needs_text} reads the generated text on the "
+                         "host after every step, which the static-shape path does not; use fast=False")
     elif fast and (other or not greedy):
         raise ValueError(
             f"fast=True decodes greedily and takes only {sorted(FAST_KWARGS)}; got do_sample={not greedy} and "
@@ -86,7 +89,7 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     try:
-        cache = policy.make_cache(model, memory_basis=memory_basis)
+        cache = policy.make_cache(model, memory_basis=memory_basis, tokenizer=tokenizer)
         if fast:
             out = _fast(model, tokenizer, cache, enc, max_new_tokens, generate_kwargs)
         else:
@@ -107,6 +110,8 @@ def _eager(model, tokenizer, cache, enc, max_new_tokens, progress, generate_kwar
     processors = LogitsProcessorList(generate_kwargs.pop("logits_processor", None) or [])
     processors.append(_Progress(max_new_tokens, progress))
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    if cache.policy.needs_text:  # its components read the ids: hand them over before each forward
+        generate_kwargs["streamer"] = cache.token_streamer(enc["attention_mask"], then=generate_kwargs.get("streamer"))
     with torch.inference_mode():
         out = model.generate(
             **enc, past_key_values=cache, max_new_tokens=max_new_tokens,

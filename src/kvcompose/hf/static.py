@@ -251,6 +251,10 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
 
 def _check_can_run(model, cache, input_ids, max_new_tokens: int, graphs: bool | None) -> None:
     check_model(model)
+    if cache.policy.needs_text:
+        raise ValueError(f"static decode: policy {cache.policy.name!r}'s {cache.policy.needs_text} reads the generated "
+                         "text on the host after every step; decode eagerly (model.generate with "
+                         "streamer=cache.token_streamer(...), or policy.generate(..., fast=False))")
     if cache.observers:
         raise ValueError("static decode does not run attention observers; decode eagerly (fast=False) to observe")
     if not cache.fused_attention:

@@ -21,7 +21,7 @@ from .timing import PhaseTimer
 class ThoughtTracker:
     """Current thought class per sequence, its refresh, and the thought mix for the report."""
 
-    def __init__(self, policy, num_layers: int, timer: PhaseTimer | None = None):
+    def __init__(self, policy, num_layers: int, timer: PhaseTimer | None = None, tokens=None):
         self.policy = policy
         self.num_layers = num_layers
         classes = policy.classes
@@ -32,6 +32,7 @@ class ThoughtTracker:
         self.class_tokens: torch.Tensor | None = None  # [num classes] real tokens filed per class (layer 0)
         self.refreshes = 0
         self.timer = timer or PhaseTimer()  # the cache's (refresh time is one of its phases)
+        self.tokens = tokens  # the cache's TokenStream (text classifiers read the recent segment from it)
 
     # ------------------------------------------------------------- per step
     def classes_for(self, layer_idx: int, batch: int, tokens: int, real, device) -> torch.Tensor:
@@ -85,10 +86,13 @@ class ThoughtTracker:
                 self.sparsity[:, layer_idx] = attention_sparsity(
                     query[:, :, -1], view.keys, view.valid, scaling, validate=False
                 )
-            if layer_idx == self.num_layers - 1:  # a policy refuses text classifiers when it is built
+            if layer_idx == self.num_layers - 1:
+                texts = None
+                if classifier.needs == "text":  # the segment that just ended (the prompt's tail at prefill)
+                    texts = [self.tokens.recent_text(b, self.policy.refresh) for b in range(B)]
                 signal = ClassifierInput(
                     sparsity=self.sparsity if classifier.needs == "sparsity" else None,
-                    batch_size=B, device=query.device,
+                    texts=texts, batch_size=B, device=query.device,
                 )
                 letters = classifier.types
                 lookup = torch.tensor([self.policy.classes.index(t) for t in letters], device=query.device)

@@ -5,6 +5,7 @@ from .ct import ContinuousThinkingPager
 from .gather import GatherPager, Pager
 from .pool import BlockPool
 from .region import Region
+from .share import SharePager
 from .store import LayerStore, StoreView
 
-__all__ = ["BlockPool", "ContinuousThinkingPager", "DenseCodec", "GatherPager", "LayerStore", "Pager", "Region", "SlotCodec", "StoreView"]
+__all__ = ["BlockPool", "ContinuousThinkingPager", "DenseCodec", "GatherPager", "LayerStore", "Pager", "Region", "SharePager", "SlotCodec", "StoreView"]

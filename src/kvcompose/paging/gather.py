@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..registry import register
+from .region import Region
 from .store import LayerStore, StoreView
 
 
@@ -45,20 +46,25 @@ class GatherPager(Pager):
             region_rows = (at & view.valid & ~keep).any(1)
             if not bool(region_rows.any()):
                 continue
-            pool = region.pool
-            if not pool.codec.slot_local:
+            if not region.pool.codec.slot_local:
                 raise ValueError(
-                    f"format {pool.codec.name!r} shares scales across tokens, so its blocks cannot be compacted "
+                    f"format {region.pool.codec.name!r} shares scales across tokens, so its blocks cannot be compacted "
                     "without re-quantizing; use it without eviction"
                 )
-            kept = keep & at & region_rows[:, None]
-            src = view.phys[kept]
-            # Read the kept payload first: the blocks it lives in are about to be reused.
-            slots = {n: t[src] for n, t in pool.flat_slots(pool.slots).items()}
-            meta = {n: t[src] for n, t in pool.flat_slots(pool.meta).items()}
-            region.release_rows(region_rows)
-            region.place(kept, slots, {}, meta)
+            self.rewrite_rows(region, view.phys, keep & at, region_rows)
         cols = view.block_columns
         store.refill_buffer(store.buf_k, store.buf_v, store.buf_meta, keep[:, cols:])
         store.return_free_blocks()
         store.evictions += 1
+
+    def rewrite_rows(self, region: Region, phys: torch.Tensor, kept: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rewrite the ``rows`` (``[B]`` bool) of one region that lost tokens: their ``kept``
+        tokens (columns of the view, ``phys`` their pool slots) go, in column order, into
+        fresh blocks, and the old blocks go back to the pool."""
+        pool = region.pool
+        src = phys[kept & rows[:, None]]
+        # Read the kept payload first: the blocks it lives in are about to be reused.
+        slots = {n: t[src] for n, t in pool.flat_slots(pool.slots).items()}
+        meta = {n: t[src] for n, t in pool.flat_slots(pool.meta).items()}
+        region.release_rows(rows)
+        region.place(kept & rows[:, None], slots, {}, meta)

@@ -34,6 +34,7 @@ class BlockPool:
         head_dim: int,
         device: torch.device,
         float_channels: tuple[str, ...] = (),
+        refcounted: bool = False,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -61,6 +62,9 @@ class BlockPool:
             self.meta[name] = torch.empty(0, bs, dtype=torch.float32, device=device)
         self._free = torch.empty(0, dtype=torch.long, device=device)
         self.num_free = 0
+        # Share pager: how many block-table entries reference each block; a block goes back
+        # to the free list when its count reaches 0. None: every block has one owner.
+        self.refs = torch.empty(0, dtype=torch.int32, device=device) if refcounted else None
         # Static mode (fixed capacity, see :meth:`fix_capacity`): the slot that masked-out
         # writes of a static-shape append go to; it belongs to no block table.
         self.trash_slot: int | None = None
@@ -73,7 +77,8 @@ class BlockPool:
 
     @property
     def meta_bytes_per_block(self) -> int:
-        return self.block_size * sum(t.element_size() for t in self.meta.values())
+        per_slot = self.block_size * sum(t.element_size() for t in self.meta.values())
+        return per_slot + (self.refs.element_size() if self.refs is not None else 0)
 
     @property
     def bytes_per_block(self) -> int:
@@ -113,10 +118,25 @@ class BlockPool:
             self._grow(n - self.num_free)
         ids = self._free[self.num_free - n : self.num_free].clone()
         self.num_free -= n
+        if self.refs is not None:
+            self.refs[ids] = 1
         return ids
 
+    def add_refs(self, ids: torch.Tensor) -> None:
+        """One more block-table entry references each of ``ids`` (repeats count)."""
+        if self.refs is None:
+            raise ValueError(f"pool {self.codec.name!r} does not count references; only the share pager shares blocks")
+        self.refs.index_add_(0, ids, torch.ones_like(ids, dtype=self.refs.dtype))
+
     def release(self, ids: torch.Tensor) -> None:
-        """Return blocks to the free list; their slots become empty."""
+        """Drop one reference to each of ``ids`` (repeats count); blocks left unreferenced go
+        back to the free list and their slots become empty."""
+        if ids.numel() and self.refs is not None:
+            self.refs.index_add_(0, ids, torch.full_like(ids, -1, dtype=self.refs.dtype))
+            if bool((self.refs[ids] < 0).any()):
+                raise ValueError(f"pool {self.codec.name!r}: a block was released more often than it was "
+                                 "referenced (a kvcompose bug: please report it)")
+            ids = torch.unique(ids[self.refs[ids] == 0])
         n = ids.numel()
         if n == 0:
             return
@@ -137,6 +157,8 @@ class BlockPool:
         self.slots = {n: t[used] for n, t in self.slots.items()}
         self.blocks = {n: t[used] for n, t in self.blocks.items()}
         self.meta = {n: t[used] for n, t in self.meta.items()}
+        if self.refs is not None:
+            self.refs = self.refs[used]
         self.capacity = used.numel()
         self._free = torch.empty(self.capacity, dtype=torch.long, device=self.device)
         self.num_free = 0
@@ -155,6 +177,8 @@ class BlockPool:
         self.slots = {n: grown(t, 0) for n, t in self.slots.items()}
         self.blocks = {n: grown(t, 0) for n, t in self.blocks.items()}
         self.meta = {n: grown(t, empty_value(n)) for n, t in self.meta.items()}
+        if self.refs is not None:
+            self.refs = grown(self.refs, 0)
         # The free list is a stack; fresh ids go underneath so freed blocks are reused first.
         stack = torch.cat([torch.arange(new - 1, old - 1, -1, device=self.device), self._free[: self.num_free]])
         self._free = torch.empty(new, dtype=torch.long, device=self.device)

@@ -204,8 +204,18 @@ class Region:
 
     def blocks_written(self) -> torch.Tensor:
         """Blocks holding at least one written slot, summed over rows (a 0-d tensor; what
-        the eager path allocates, so memory accounting is the same in static mode)."""
-        return ((self.length + self.pool.block_size - 1) // self.pool.block_size).sum()
+        the eager path allocates, so memory accounting is the same in static mode). A block
+        that several entries of a row share (share pager) counts once."""
+        written = ((self.length + self.pool.block_size - 1) // self.pool.block_size).sum()
+        return written if self.pool.refs is None else written - self.shared_entries().sum()
+
+    def shared_entries(self) -> torch.Tensor:
+        """Per row, the table entries that reference a block an other entry of the row also
+        references, beyond the first (``[B]``; 0 without the share pager)."""
+        if self.pool.refs is None or self.table.shape[1] < 2:
+            return torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        ids = torch.sort(self.table, dim=1).values
+        return ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).sum(1)
 
     @property
     def table_bytes(self) -> int:

@@ -61,6 +61,7 @@ class LayerStore:
         residual: int = 0,
         float_channels: tuple[str, ...] = (),
         codecs: dict[str, SlotCodec] | None = None,
+        refcounted: bool = False,
     ):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -83,7 +84,8 @@ class LayerStore:
         pools: dict[str, BlockPool] = {}
         for codec in codecs.values():
             if codec.name not in pools:
-                pools[codec.name] = BlockPool(codec, block_size, num_kv_heads, head_dim, device, float_channels)
+                pools[codec.name] = BlockPool(codec, block_size, num_kv_heads, head_dim, device, float_channels,
+                                              refcounted)
         self.pools = pools
         self.regions = [Region(name, pools[c.name], batch_size, device) for name, c in codecs.items()]
         self.class_names = list(codecs)
@@ -315,7 +317,7 @@ class LayerStore:
             regions = [r for r in self.regions if r.pool is pool]
             if pool.num_free <= self.batch_size * len(regions):
                 continue
-            used = torch.cat([r.table[r.table >= 0] for r in regions])
+            used = torch.unique(torch.cat([r.table[r.table >= 0] for r in regions]))  # shared blocks once
             remap = pool.keep_only(used)
             for region in regions:
                 region.table = torch.where(region.table >= 0, remap[region.table.clamp(min=0)], -1)
@@ -595,14 +597,18 @@ class LayerStore:
 
         ``dtype``: count what is held in the model's dtype (full-precision blocks, the buffer,
         the full cache) at that dtype's width, i.e. what this cache holds when the model runs
-        in ``dtype``; quantized payload and metadata do not depend on it. None: as held."""
+        in ``dtype``; quantized payload and metadata do not depend on it. None: as held.
+        ``saved_by_sharing``: what the block-table entries that share another's block (share
+        pager) would hold in blocks of their own."""
         sizes = self._sizes(dtype)
-        payload = block_meta = allocated = 0
+        payload = block_meta = allocated = shared = 0
         for r in self.regions:
             blocks = int(r.blocks_written())
             per_payload, per_meta = sizes["block"][id(r.pool)]
             payload += blocks * per_payload
             block_meta += blocks * per_meta
+            if r.pool.refs is not None:
+                shared += int(r.shared_entries().sum()) * (per_payload + per_meta)
         for pool in self.pools.values():
             allocated += pool.capacity * sum(sizes["block"][id(pool)])
         metadata = block_meta + sizes["tables"] + sizes["buffer_meta"]
@@ -614,4 +620,5 @@ class LayerStore:
             "in_use": payload + metadata + sizes["buffer"],
             "allocated": allocated + fixed,
             "full": int(self.tokens_seen.sum()) * sizes["full_per_token"],
+            "saved_by_sharing": shared,
         }

@@ -22,7 +22,8 @@ from ..evictors.base import keep_top
 from ..paging import DenseCodec, GatherPager, LayerStore, Pager, StoreView
 from ..triggers import Trigger, TriggerInput
 
-COMPONENT_FIELDS = {"evictor": "evictor", "trigger": "trigger", "pager": "pager", "classifier": "classifier"}
+COMPONENT_FIELDS = {"evictor": "evictor", "trigger": "trigger", "pager": "pager", "classifier": "classifier",
+                    "filter": "filter"}
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Policy:
     scale_headroom: float = 2.0  # per-sequence scale of two-level formats = headroom x amax of its first encode
     classifier: Any = None  # thought classifier: assigns each new segment a class of ``precision``
     refresh: int = 128  # tokens per thought segment: the classifier runs once per segment (ThinKV tau)
+    filter: Any = None  # sharing filter: which sealed blocks the share pager maps onto earlier ones (ReasonCache)
 
     def __post_init__(self) -> None:
         for fname, kind in COMPONENT_FIELDS.items():
@@ -72,11 +74,6 @@ class Policy:
         positive_int("residual", self.residual, 0)
         positive_int("refresh", self.refresh, 1)
         if self.classifier is not None:
-            if self.classifier.needs == "text":
-                raise ValueError(
-                    f"classifier {self.classifier.name!r} reads decoded text, which the attention path does not "
-                    "see; use it offline on text, or use sparsity_kde/constant inside a policy"
-                )
             missing = [t for t in self.classifier.types if t not in self.classes]
             if missing:
                 raise ValueError(
@@ -114,6 +111,13 @@ class Policy:
             raise ValueError(f"Policy.protect_prompt must be true or false, got {self.protect_prompt!r}")
         if self.pager is None:
             raise ValueError(f"Policy.pager is required; known pagers: {', '.join(registry.names('pager'))}")
+        shares = getattr(self.pager, "shares_blocks", False)
+        if self.filter is not None and not shares:
+            raise ValueError(f"Policy {self.name!r}: filter {self.filter.name!r} decides which blocks to share, which "
+                             f"needs pager 'share' (got {self.pager.name!r})")
+        if shares and len(self.classes) > 1:
+            raise ValueError(f"Policy {self.name!r}: pager 'share' works on one token class; precision maps "
+                             f"{self.classes}. Use one class, e.g. precision={{'all': 'nvfp4'}}")
         if self.budget is not None:
             positive_int("budget", self.budget, 1)
         if (self.evictor is None) != (self.trigger is None):
@@ -195,6 +199,16 @@ class Policy:
         return self.evictor.query_window if self.evictor is not None else 0
 
     @property
+    def needs_text(self) -> str | None:
+        """What reads the generated token ids (a text classifier, a sharing filter), or None.
+        Such a policy's cache needs a tokenizer and :meth:`KVComposeCache.observe_tokens`."""
+        if self.filter is not None:
+            return f"filter {self.filter.name!r}"
+        if self.classifier is not None and self.classifier.needs == "text":
+            return f"classifier {self.classifier.name!r}"
+        return None
+
+    @property
     def classes(self) -> list[str]:
         """Token classes in index order (one class, ``"all"``, without a precision map)."""
         return list(self.precision) if self.precision else ["all"]
@@ -211,19 +225,25 @@ class Policy:
             batch_size, num_kv_heads, head_dim, dtype, device,
             block_size=self.block_size, group_size=self.group_size, residual=self.residual,
             float_channels=tuple(getattr(self.evictor, "slot_channels", ())), codecs=codecs,
+            refcounted=getattr(self.pager, "shares_blocks", False),
         )
 
-    def make_cache(self, model, fused_attention: bool = True, memory_basis="bfloat16"):
+    def make_cache(self, model, fused_attention: bool = True, memory_basis="bfloat16", tokenizer=None):
         """A fresh transformers cache for ``model`` (which must use ``attn_implementation="kvcompose"``).
 
         ``fused_attention=False`` keeps every step on the dense view + SDPA (the eager reference).
         ``memory_basis``: the dtype of the full cache its report states memory against (see
-        :mod:`kvcompose.report`; None: the model's own dtype)."""
+        :mod:`kvcompose.report`; None: the model's own dtype). ``tokenizer``: needed by policies
+        whose components read the generated text (:attr:`needs_text`)."""
         from ..hf.cache import KVComposeCache
         from ..hf.model_check import check_model
 
         num_layers = check_model(model)
-        return KVComposeCache(self, num_layers, fused_attention=fused_attention, memory_basis=memory_basis)
+        if self.needs_text and tokenizer is None:
+            raise ValueError(f"Policy {self.name!r}: {self.needs_text} reads the generated text; pass "
+                             "tokenizer= to make_cache (policy.generate passes its own)")
+        return KVComposeCache(self, num_layers, fused_attention=fused_attention, memory_basis=memory_basis,
+                              tokenizer=tokenizer)
 
     def generate(self, model, tokenizer, prompts, max_new_tokens: int = 256, **generate_kwargs):
         """Generate for a list of prompts under this policy; see :func:`kvcompose.hf.generate`."""

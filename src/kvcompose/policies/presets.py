@@ -101,6 +101,25 @@ PRESETS: dict[str, tuple[str, dict]] = {
         "Uniform FP8 E4M3 with a per-sequence, per-head FP32 scale; groups of 16.",
         {"name": "fp8", "precision": {"all": {"name": "fp8"}}, "group_size": 16},
     ),
+    "reasoncache": (
+        "ReasonCache: sealed blocks of a reasoning step share near-duplicate earlier blocks (lexical + structural "
+        "step match, block distance under the 80th percentile); nothing evicted.",
+        {
+            "name": "reasoncache",
+            "pager": {"name": "share"},
+            "filter": {"name": "collaborative", "delimiter": "\n\n", "tau_strict": 0.9, "tau_soft": 0.7,
+                       "structural": True, "max_tree_distance": 0, "percentile": 80.0, "warmup": 8},
+        },
+    ),
+    "reasoncache-random": (
+        "ReasonCache's random baseline: at each step end, sealed blocks shared with random earlier blocks at a "
+        "fixed rate (set rate to match reasoncache's share rate).",
+        {
+            "name": "reasoncache-random",
+            "pager": {"name": "share"},
+            "filter": {"name": "random", "delimiter": "\n\n", "rate": 0.2, "seed": 0},
+        },
+    ),
 }
 
 
