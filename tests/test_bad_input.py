@@ -471,6 +471,10 @@ CASES = [
          "collaborative filter: percentile=0; accepted: a number in (0, 100]"),
     Case("random-filter-rate", lambda _: P.from_preset("reasoncache-random", filter={"rate": 2}), ValueError,
          "random filter: rate=2; accepted: a number in [0, 1]"),
+    Case("speed-text-policy",
+         lambda m: __import__("kvcompose.speed").speed.time_policy(m, P.from_preset("reasoncache"), None, None, 4),
+         ValueError, "policy 'reasoncache': its filter 'collaborative' reads the generated text, so it decodes "
+                     "eagerly; the speed benchmark times the static-shape path only"),
     Case("fast-text-policy", _fast_text_policy, ValueError,
          "static decode: policy 'reasoncache''s filter 'collaborative' reads the generated text on the host after "
          "every step; decode eagerly (model.generate with streamer=cache.token_streamer(...), or "
@@ -578,6 +582,9 @@ CLI_CASES = [
      ERR + "unknown preset 'snap'; known presets: ...", False),
     ("bench-unknown-preset", ["bench", "--presets", "nosuch"],
      ERR + "unknown preset 'nosuch'; known presets: ...", False),
+    ("bench-text-preset", ["bench", "--presets", "reasoncache"],
+     ERR + "preset 'reasoncache' reads the generated text and decodes eagerly; kvcompose bench times the "
+           "static-shape path (see kvcompose generate --preset reasoncache)", False),
     ("no-preset", ["compare", "--presets", ","],
      ERR + "--presets names no preset (got ','); list them with: kvcompose presets", False),
     ("generate-budget-too-small", ["generate", "--preset", "rkv", "--budget", "4", "hi"],

@@ -96,6 +96,7 @@ def _cmd_compare(args) -> int:
 
     from . import models
     from .eval import build_policies, compare_presets, load_prompts, parse_overrides
+    from .eval.result import calibration_line
 
     presets = _preset_list(args.presets)
     overrides = parse_overrides(args.set)
@@ -120,8 +121,7 @@ def _cmd_compare(args) -> int:
     print(result.markdown())
     print()
     for c in result.metadata["selection"].get("calibration", []):
-        print(f"matched memory: {c['preset']} {c['knob']}={c['value']} -> {c['measured_pct']:.1f}% "
-              f"(target {c['target_pct']:g}%{'' if c.get('reached', True) else ', NOT reachable'})")
+        print(f"calibrated: {calibration_line(c)}")
     print(f"{len(prompts)} prompts, {result.self_check['steps']} steps each policy, "
           f"{time.perf_counter() - start:.0f} s; wrote {', '.join(str(p) for p in paths.values())}")
     return 0 if result.self_check["ok"] else 1
@@ -179,6 +179,10 @@ def _cmd_bench(args) -> int:
     presets = _preset_list(args.presets)
     policies = [Policy.from_preset(n, **({"budget": args.budget} if args.budget is not None else {}))
                 for n in presets]
+    for name, policy in zip(presets, policies):
+        if policy.needs_text:
+            raise ValueError(f"preset {name!r} reads the generated text and decodes eagerly; kvcompose bench times "
+                             f"the static-shape path (see kvcompose generate --preset {name})")
     cuda = torch.cuda.is_available()
     if not cuda:
         print("kvcompose: no CUDA device: decoding runs without CUDA graphs and the baseline is not compiled; "

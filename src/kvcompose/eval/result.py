@@ -199,9 +199,18 @@ class FidelityResult:
         ]
         sel = m.get("selection", {})
         if sel.get("calibration"):
-            lines += ["", f"Matched memory: target {sel.get('match_memory')}% of full KV, calibrated on the first "
-                      "prompt (geometric bisection over each preset's budget, or RPC's period)."]
-            for c in sel["calibration"]:
-                miss = "" if c.get("reached", True) else " (target not reachable with this knob on this prompt)"
-                lines.append(f"- {c['preset']}: {c['knob']}={c['value']} → {c['measured_pct']:.1f}% measured{miss}")
+            lines += ["", "Calibrated on the first prompt"
+                      + (f" (matched memory: target {sel['match_memory']}% of full KV, geometric bisection over each "
+                         "preset's budget, or RPC's period)" if sel.get("match_memory") is not None else "") + ":"]
+            lines += [f"- {calibration_line(c)}" for c in sel["calibration"]]
         return "\n".join(lines)
+
+
+def calibration_line(c: dict) -> str:
+    """One calibration record in words: a budget matched to a memory target, or the random
+    sharing baseline's rate matched to ReasonCache's."""
+    if "matched_to" in c:
+        return (f"{c['preset']}: {c['knob']}={c['value']:.3f}, the {c['matched_to']} "
+                f"({c['shared_blocks']} of {c['shareable_blocks']} sealed step blocks)")
+    miss = "" if c.get("reached", True) else ", NOT reachable with this knob on this prompt"
+    return f"{c['preset']}: {c['knob']}={c['value']} → {c['measured_pct']:.1f}% measured (target {c['target_pct']:g}%{miss})"

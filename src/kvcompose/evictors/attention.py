@@ -68,6 +68,8 @@ def check_choice(owner: str, name: str, value, choices: tuple[str, ...]) -> None
 class AttentionEvictor(Evictor):
     """Score tokens by the attention the most recent queries give them (SnapKV / R-KV / RPC importance)."""
 
+    graph_safe = True  # scoring and keep_top have fixed shapes (checked on CPU by the sync guard)
+
     window: int = 8  # recent queries used (R-KV α=8, RPC R=32)
     gqa: str = "max"  # how the query heads of one KV group combine: "max" (R-KV) or "mean"
     window_reduce: str = "mean"  # over the window's queries: "mean" (R-KV) or "sum" (RPC)

@@ -91,6 +91,10 @@ class Evictor:
     #: name of one slot channel (static decode then drops one token per step without sorting,
     #: see :mod:`kvcompose.ops.evict_one`); None: only :meth:`scores` knows.
     score_source: str | None = None
+    #: Whether :meth:`select` keeps fixed shapes and reads nothing on the host when
+    #: ``ctx.check`` is False: static decode then replays its eviction steps as a CUDA graph
+    #: (False: they run eagerly, outside the graphs).
+    graph_safe: bool = False
 
     def min_kept(self, prompt_columns: int, new_tokens: int, segment: int) -> int:
         """The fewest tokens per row this evictor can leave after ``new_tokens`` decode steps,

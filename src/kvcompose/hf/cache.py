@@ -149,8 +149,11 @@ class KVComposeLayer(CacheLayerMixin):
         in_place = plan is not None and policy.evicts_in_place  # evicts inside every static step
         if in_place:
             policy.compress_in_place(self)
-        if plan is not None and not plan.eager:
-            return out.transpose(1, 2).contiguous()  # the schedule says nothing else happens this step
+        if plan is not None and not plan.eager:  # the schedule says what else happens this step
+            if plan.evict:
+                with self.cache.timer.phase("eviction"):
+                    policy.compress_scheduled(self)
+            return out.transpose(1, 2).contiguous()
         if view is None and thoughts.needs_view(self.layer_idx, store):
             view = store.view()
         thoughts.observe(self.layer_idx, query, view, scaling, store)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..sharing.filter import Pair, RowHistory, Step
 from ..sharing.lexical import make_step
@@ -53,7 +54,7 @@ class SharingTracker:
         self.shareable = 0  # own blocks of decided steps (one per step block, all layers together)
         self.decisions = 0  # blocks that had a candidate to compare with
         self.shared = 0  # blocks shared (each in every layer)
-        self._norms: dict = {}
+        self._norms: list[dict] = []  # per layer: block id -> its squared norms (keys, values)
         self._epoch = -1
 
     # ------------------------------------------------------------ per forward
@@ -87,117 +88,134 @@ class SharingTracker:
 
     # -------------------------------------------------------------- decisions
     def _decide_ready(self) -> bool:
+        """Decide one finished step per sequence whose tokens have all left the recent buffer:
+        own blocks of every layer read at once, every sequence's block pairs measured at once
+        (one host read for all distances), then the shares applied layer by layer."""
         stores = [layer.store for layer in self.cache.layers]
         epoch = sum(s.evictions for s in stores)
         if epoch != self._epoch:  # an eviction rewrote blocks: cached norms may be stale
-            self._norms, self._epoch = {}, epoch
-        buffered = self._oldest_buffered(stores)
+            self._norms, self._epoch = [dict() for _ in stores], epoch
+        # Every layer moves the same tokens out of its buffer (evictions only remove more), so
+        # layer 0 says when a step's tokens are all in blocks.
+        none = torch.iinfo(torch.long).max
+        buf = stores[0].buf_meta
+        buffered = (torch.where(buf["valid"], buf["pos"], none).amin(1).tolist() if buf["pos"].shape[1]
+                    else [none] * stores[0].batch_size)
         ready = {b: row.pending[0] for b, row in enumerate(self.rows)
                  if row.pending and row.pending[0].last < buffered[b]}
         if not ready:
             return False
-        blocks = [self._own_blocks(store, ready) for store in stores]  # [layer][row] -> columns per step
-        shares: list[tuple[int, int, int, int]] = []  # (row, block of the ready step, earlier step, its block)
+        blocks, ids = self._own_blocks(stores, ready)  # [layer][row]: columns per step; [layer][row]: block ids
+        wanted: dict[int, list[Pair]] = {}
         for b, current in ready.items():
             row = self.rows[b]
             for k, step in enumerate(row.steps + [current]):
                 step.blocks = min(len(per_layer[b][k]) for per_layer in blocks)
+            wanted[b] = self.filter.pairs(current, row.steps)
+        distances = self._distances(stores, blocks, ids, wanted)
+        shares: list[tuple[int, int, int, int]] = []  # (row, block of the ready step, earlier step, its block)
+        for b, current in ready.items():
+            row = self.rows[b]
             before = row.history.decisions
-            pairs = self.filter.choose(row.history, current, row.steps,
-                                       lambda pairs, b=b: self._distances(stores, blocks, b, pairs))
+            chosen = self.filter.decide(row.history, current, row.steps, wanted[b], distances[b])
             self.decisions += row.history.decisions - before
             self.steps_decided += 1
             self.shareable += current.blocks
-            self.shared += len(pairs)
-            shares += [(b, j, k, i) for j, k, i in pairs]
+            self.shared += len(chosen)
+            shares += [(b, j, k, i) for j, k, i in chosen]
             row.pending.pop(0)
             row.steps.append(current)
         if not shares:
             return False
+        rows = [b for b, _, _, _ in shares]
         for layer, store in enumerate(stores):
             cols = blocks[layer]
-            rows = [b for b, _, _, _ in shares]
             targets = [cols[b][len(self.rows[b].steps) - 1][j] for b, j, _, _ in shares]
             sources = [cols[b][k][i] for b, _, k, i in shares]
-            rows_t, targets_t, sources_t = (torch.tensor(x, dtype=torch.long, device=store.device)
-                                            for x in (rows, targets, sources))
-            replaced = store.regions[0].table[rows_t, targets_t].tolist()
-            self.pager.share(store, rows_t, targets_t, sources_t)
-            for b, block in zip(rows, replaced):  # its id may be handed out again: forget its norms
-                self._norms.pop((layer, b, block), None)
+            for b, c in zip(rows, targets):  # the replaced block's id may be handed out again
+                self._norms[layer].pop(ids[layer][b][c], None)
+            as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=store.device)  # noqa: E731
+            self.pager.share(store, as_tensor(rows), as_tensor(targets), as_tensor(sources), check=False)
         return True
 
-    @staticmethod
-    def _oldest_buffered(stores) -> list[int]:
-        """Per row, the lowest position still in the recent buffer of any layer (a huge number if none)."""
-        none = torch.iinfo(torch.long).max
-        per_layer = [torch.where(s.buf_meta["valid"], s.buf_meta["pos"], none).amin(1)
-                     if s.buf_meta["pos"].shape[1] else torch.full((s.batch_size,), none, device=s.device)
-                     for s in stores]
-        return torch.stack(per_layer).amin(0).tolist()
+    def _own_blocks(self, stores, ready: dict[int, Step]):
+        """Per layer and ready row: for each of its decided steps and then the ready one, the
+        block-table columns of its own blocks (full, every token inside the step), in order; and
+        per layer and row the block id of every column. One host read for all layers."""
+        parts = []
+        for store in stores:
+            region = store.regions[0]
+            table = region.table  # its whole width: reading the used width would wait for the device
+            phys = table.clamp(min=0)
+            pos, valid = region.pool.meta["pos"][phys], region.pool.meta["valid"][phys] & (table >= 0)[:, :, None]
+            parts.append(torch.stack([torch.where(valid.all(-1), pos.amin(-1), -1), pos.amax(-1), table], -1))
+        width = max(p.shape[1] for p in parts)
+        info = torch.stack([F.pad(p, (0, 0, 0, width - p.shape[1]), value=-1) for p in parts]).cpu().numpy()
+        blocks, ids = [], []
+        for lo, hi, table in (np.moveaxis(layer, -1, 0) for layer in info):  # each [B, width]
+            per_row = {}
+            for b, current in ready.items():
+                steps = self.rows[b].steps + [current]
+                firsts = np.array([s.first for s in steps])
+                lasts = np.array([s.last for s in steps])
+                k = np.searchsorted(firsts, lo[b], side="right") - 1  # the step a block's first token is in
+                own = (lo[b] >= 0) & (k >= 0) & (hi[b] <= lasts[k.clip(min=0)])
+                cols: list[list[int]] = [[] for _ in steps]
+                for c, step in zip(np.nonzero(own)[0].tolist(), k[own].tolist()):
+                    cols[step].append(c)
+                per_row[b] = cols
+            blocks.append(per_row)
+            ids.append({b: table[b].tolist() for b in ready})
+        return blocks, ids
 
-    def _own_blocks(self, store, ready: dict[int, Step]) -> dict[int, list[list[int]]]:
-        """Per ready row: for each of its decided steps and then the ready one, the block-table
-        columns of its own blocks in this layer (full, every token inside the step), in order."""
-        region = store.regions[0]
-        table = region.used_table()
-        ids = table.clamp(min=0)
-        pos, valid = region.pool.meta["pos"][ids], region.pool.meta["valid"][ids] & (table >= 0)[:, :, None]
-        lo = torch.where(valid.all(-1), pos.amin(-1), -1).cpu().numpy()
-        hi = pos.amax(-1).cpu().numpy()
-        out = {}
-        for b, current in ready.items():
-            steps = self.rows[b].steps + [current]
-            firsts = np.array([s.first for s in steps])
-            lasts = np.array([s.last for s in steps])
-            k = np.searchsorted(firsts, lo[b], side="right") - 1  # the step a block's first token is in
-            own = (lo[b] >= 0) & (k >= 0) & (hi[b] <= lasts[k.clip(min=0)])
-            cols: list[list[int]] = [[] for _ in steps]
-            for c, step in zip(np.nonzero(own)[0].tolist(), k[own].tolist()):
-                cols[step].append(c)
-            out[b] = cols
+    def _distances(self, stores, blocks, ids, wanted: dict[int, list[Pair]]) -> dict[int, list[float]]:
+        """ReasonCache's block distance of every wanted pair, averaged over layers: per layer
+        ``(|K_a - K_b| + |V_a - V_b|) / (2 * block_size * kv_heads)``, from the dot products and
+        the blocks' squared norms (cached per block: a sealed block never changes)."""
+        flat = [(b, pair) for b, pairs in wanted.items() for pair in pairs]
+        if not flat:
+            return {b: [] for b in wanted}
+        total = None
+        for layer, store in enumerate(stores):
+            cols, table = blocks[layer], ids[layer]
+            current = {b: len(self.rows[b].steps) for b in wanted}  # the ready step's index in cols[b]
+            a = [table[b][cols[b][current[b]][j]] for b, (j, _, _) in flat]
+            c = [table[b][cols[b][k][i]] for b, (_, k, i) in flat]
+            rows = torch.tensor([b for b, _ in flat], device=store.device)
+            ka, va = self._decode(store, rows, torch.tensor(a, device=store.device))
+            kc, vc = self._decode(store, rows, torch.tensor(c, device=store.device))
+            na = self._block_norms(layer, a, ka, va)
+            nc = self._block_norms(layer, c, kc, vc)
+            dot = torch.stack([(ka * kc).sum(-1), (va * vc).sum(-1)], -1)
+            dist = (na + nc - 2 * dot).clamp(min=0).sqrt().sum(-1) / (2 * store.regions[0].pool.block_size
+                                                                       * store.num_kv_heads)
+            total = dist if total is None else total + dist
+        values = (total / len(stores)).tolist()
+        out: dict[int, list[float]] = {b: [] for b in wanted}
+        for (b, _), d in zip(flat, values):
+            out[b].append(d)
         return out
 
-    def _distances(self, stores, blocks, b: int, pairs: list[Pair]) -> list[float]:
-        """ReasonCache's block distance for each pair, averaged over layers: per layer
-        (|K_a - K_b| + |V_a - V_b|) / (2 * block_size * kv_heads), norms cached per block."""
-        row = self.rows[b]
-        current = len(row.steps)  # the ready step's index in blocks[layer][b]
-        total = torch.zeros(len(pairs), dtype=torch.float64)
-        for layer, store in enumerate(stores):
-            cols = blocks[layer][b]
-            a_cols = [cols[current][j] for j, _, _ in pairs]
-            b_cols = [cols[k][i] for _, k, i in pairs]
-            table = store.regions[0].table[b]
-            ka, va = self._decode(store, b, table[torch.tensor(a_cols, device=store.device)])
-            kb, vb = self._decode(store, b, table[torch.tensor(b_cols, device=store.device)])
-            na = self._cached_norms(layer, b, store, a_cols, ka, va)
-            nb = self._cached_norms(layer, b, store, b_cols, kb, vb)
-            dot = torch.stack([(ka * kb).sum(-1), (va * vb).sum(-1)], -1)
-            dist = (na + nb - 2 * dot).clamp(min=0).sqrt().sum(-1)
-            total += dist.cpu().double() / (2 * store.regions[0].pool.block_size * store.num_kv_heads)
-        return (total / len(stores)).tolist()
-
     @staticmethod
-    def _decode(store, b: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of whole blocks, flattened per block (``[n, block_size * H * D]`` fp32)."""
+    def _decode(store, rows: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of whole blocks (of sequences ``rows``), flattened per block (fp32)."""
         pool = store.regions[0].pool
         slots = {n: t[ids] for n, t in pool.slots.items()}
         groups = {n: t[ids] for n, t in pool.blocks.items()}
-        scales = {n: t[b].expand(ids.numel(), *t.shape[1:]) for n, t in store.row_scales[pool.codec.name].items()}
+        scales = {n: t[rows] for n, t in store.row_scales[pool.codec.name].items()}
         k, v = pool.codec.decode(slots, groups, scales, torch.float32)
         return k.reshape(ids.numel(), -1).float(), v.reshape(ids.numel(), -1).float()
 
-    def _cached_norms(self, layer, b, store, cols, k, v) -> torch.Tensor:
-        """Squared norms ``[n, 2]`` (keys, values) of blocks, computed once per block: a sealed
-        block never changes (the cache is dropped when an eviction rewrites blocks)."""
-        keys = [(layer, b, int(store.regions[0].table[b, c])) for c in cols]
-        missing = [i for i, key in enumerate(keys) if key not in self._norms]
+    def _block_norms(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Squared norms ``[n, 2]`` (keys, values) of blocks, each computed once and kept."""
+        cache = self._norms[layer]
+        missing = [i for i, block in enumerate(block_ids) if block not in cache]
         if missing:
-            fresh = torch.stack([k[missing].square().sum(-1), v[missing].square().sum(-1)], -1)
-            for i, n in zip(missing, fresh):
-                self._norms[keys[i]] = n
-        return torch.stack([self._norms[key] for key in keys])
+            at = torch.tensor(missing, device=k.device)
+            fresh = torch.stack([k[at].square().sum(-1), v[at].square().sum(-1)], -1)
+            for i, n in zip(missing, fresh.unbind(0)):
+                cache[block_ids[i]] = n
+        return torch.stack([cache[block] for block in block_ids])
 
     # ----------------------------------------------------------------- report
     def report(self) -> dict:

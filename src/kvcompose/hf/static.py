@@ -31,7 +31,8 @@ class StepPlan:
     """What one decode step does besides appending and attending."""
 
     flush: bool  # some row's recent buffer fills: its oldest group is encoded into blocks
-    eager: bool  # a trigger fires or the classifier refreshes: run the whole policy, outside a graph
+    eager: bool  # the classifier refreshes, or a trigger fires for an evictor that is not graph-safe
+    evict: bool = False  # a trigger fires and the policy's eviction is graph-safe: evict inside the step
 
 
 def static_capacity(policy, prompt_columns: int, max_new_tokens: int) -> int:
@@ -96,7 +97,9 @@ class Schedule:
         full = self.buffered == self.buffer_slots
         self.buffered -= full.long() * self.group
         refresh = self.cache.thoughts.is_refresh_step(self.stores[0])
-        return StepPlan(flush=bool(full.any()), eager=refresh or self.since_sync == self.fires_at)
+        fires = self.since_sync == self.fires_at
+        captured = fires and not refresh and self.policy.captures_eviction
+        return StepPlan(flush=bool(full.any()), eager=refresh or (fires and not captured), evict=captured)
 
 
 class StaticDecoder:
@@ -113,11 +116,12 @@ class StaticDecoder:
         self.positions = next_positions.clone()  # [B, 1], as generate computes them from the mask
         self.cache_position = torch.full((1,), columns, dtype=torch.long, device=next_positions.device)
         self.graphs = graphs
-        self.captured: dict[bool, tuple] = {}
-        self.warm: set[bool] = set()
+        self.captured: dict[tuple[bool, bool], tuple] = {}  # (flush, evict) -> graph, logits
+        self.warm: set[tuple[bool, bool]] = set()
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.eager_steps = 0
-        self.replays = 0
+        self.eviction_steps = 0  # scheduled eviction steps (replayed once captured)
+        self.replays = 0  # replays of plain decode steps
         # profile (CUDA): events around every step by kind, and the host's own time per replayed step
         self.profile = profile
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -145,26 +149,30 @@ class StaticDecoder:
             began.record()
         self.ids.copy_(tokens[:, None])
         self.cache.step_plan = plan
-        replay = not plan.eager and self.graphs and plan.flush in self.warm
+        key = (plan.flush, plan.evict)
+        replay = not plan.eager and self.graphs and key in self.warm
         if not replay:
             if not plan.eager:
-                self.warm.add(plan.flush)
+                self.warm.add(key)
             self.eager_steps += plan.eager
             logits = self._forward()
         else:
-            if plan.flush not in self.captured:
-                self.captured[plan.flush] = self._capture()
-            graph, logits = self.captured[plan.flush]
+            if key not in self.captured:
+                self.captured[key] = self._capture()
+            graph, logits = self.captured[key]
             issued = time.perf_counter()
             graph.replay()
-            self.replay_call_s = time.perf_counter() - issued
-            self.replays += 1
+            if not plan.evict:  # host time is measured on plain steps (an eviction step waits for the device)
+                self.replay_call_s = time.perf_counter() - issued
+            self.replays += not plan.evict
+        self.eviction_steps += plan.evict
         self.positions += 1
         self.cache_position += 1
         if self.profile:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
-            self._events.append(("replay" if replay else "eager" if plan.eager else "warm-up", began, ended))
+            kind = "eager" if plan.eager else "evict" if plan.evict else "replay" if replay else "warm-up"
+            self._events.append((kind, began, ended))
         return logits
 
     def note_host(self, seconds: float) -> None:
@@ -174,8 +182,9 @@ class StaticDecoder:
 
     def summary(self) -> dict:
         """Steps by kind and, when profiling, milliseconds of decode time by kind (eager: the
-        steps where the policy evicts or refreshes) and host milliseconds per replayed step."""
-        out = {"eager_steps": self.eager_steps, "replays": self.replays}
+        steps where the policy refreshes or evicts outside a graph; evict: the scheduled eviction
+        steps, replayed once captured) and host milliseconds per replayed plain step."""
+        out = {"eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps, "replays": self.replays}
         if self.profile and self._events:
             torch.cuda.synchronize()
             ms: dict[str, float] = {}
@@ -280,7 +289,7 @@ def _decode(decoder: StaticDecoder, schedule: Schedule, tokens: list, finished, 
         decoder.begin_step()
         plan = schedule.next()
         token = decoder.step(token, plan).argmax(-1)
-        if plan.eager:
+        if plan.eager or plan.evict:
             cache.check_errors()
             schedule.sync()
         if eos is not None:

@@ -51,20 +51,24 @@ class SharePager(GatherPager):
                              "tokens; sharing needs a slot-local format (bf16/fp16/fp32, fp8, nvfp4, ternary, int "
                              "per_token)")
 
-    def share(self, store: LayerStore, rows: torch.Tensor, targets: torch.Tensor, sources: torch.Tensor) -> None:
+    def share(self, store: LayerStore, rows: torch.Tensor, targets: torch.Tensor, sources: torch.Tensor,
+              check: bool = True) -> None:
         """Point entry ``targets[i]`` of row ``rows[i]`` at the physical block of entry
         ``sources[i]`` of the same row (all ``[N]`` int64 block-table columns). Both entries
-        must be sealed; a target may appear once and may not be a source of the same call."""
+        must be sealed; a target may appear once and may not be a source of the same call.
+        ``check=False`` skips verifying that (it reads the device): for callers that chose the
+        entries from the block tables themselves, as the sharing tracker does."""
         self.check_store(store)
         region = store.regions[0]
         if rows.numel() == 0:
             return
-        self._check_pairs(region, rows, targets, sources)
+        if check:
+            self._check_pairs(region, rows, targets, sources)
         new = region.table[rows, sources]
         old = region.table[rows, targets]
         region.pool.add_refs(new)
         region.table[rows, targets] = new
-        region.pool.release(old)
+        region.pool.release(old, check=check)
 
     @staticmethod
     def _check_pairs(region: Region, rows, targets, sources) -> None:

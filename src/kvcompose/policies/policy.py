@@ -269,6 +269,28 @@ class Policy:
         self.pager.compact(store, view, self.evictor.select(ctx))
         return True
 
+    def compress_scheduled(self, layer) -> None:
+        """Static decode, on a step where the schedule knows the trigger fires in some row
+        (:attr:`captures_eviction` policies): what :meth:`compress` does, without asking the
+        device whether it fires (rows that do not fire keep every token), so the step has no
+        host synchronization and is replayed as a CUDA graph."""
+        store = layer.store
+        counts = self.trigger_input(store)
+        keep = self.trigger.plan(counts)
+        fired = self.trigger.fires(counts, keep)
+        keep = torch.where(fired, keep, counts.stored)
+        view = store.view()
+        ctx = self.eviction_context(store, view, keep, layer.queries, layer.query_positions, layer.scaling)
+        self.pager.compact(store, view, self.evictor.select(ctx))
+        layer.cache.counters.note_eviction_on_device(fired.any())
+        layer.cache._note_memory(layer.layer_idx)
+
+    @property
+    def captures_eviction(self) -> bool:
+        """Whether static decode replays this policy's eviction steps as a CUDA graph: the
+        evictor reads keys (so it cannot evict inside every step) and its selection is graph-safe."""
+        return self.evictor is not None and not self.evicts_in_place and self.evictor.graph_safe
+
     @property
     def evicts_in_place(self) -> bool:
         """Whether static decode evicts inside the captured step: the evictor reads only

@@ -70,10 +70,21 @@ class SharingFilter:
     def prepare(self, step: Step) -> None:
         """Compute once what later comparisons with ``step`` need (at its end)."""
 
-    def choose(self, row: RowHistory, current: Step, earlier: Sequence[Step],
-               distances: Callable[[list[Pair]], list[float]]) -> list[Pair]:  # pragma: no cover - interface
-        """The blocks of ``current`` to share, each with the earlier block it maps onto."""
+    def pairs(self, current: Step, earlier: Sequence[Step]) -> list[Pair]:
+        """The block pairs whose distance :meth:`decide` needs (none by default)."""
+        return []
+
+    def decide(self, row: RowHistory, current: Step, earlier: Sequence[Step], pairs: list[Pair],
+               distances: Sequence[float]) -> list[Pair]:  # pragma: no cover - interface
+        """The blocks of ``current`` to share, each with the earlier block it maps onto, given the
+        measured ``distances`` of :meth:`pairs` (the tracker measures every sequence's pairs at once)."""
         raise NotImplementedError
+
+    def choose(self, row: RowHistory, current: Step, earlier: Sequence[Step],
+               distances: Callable[[list[Pair]], list[float]]) -> list[Pair]:
+        """:meth:`pairs`, their distances, then :meth:`decide` (one sequence at a time)."""
+        pairs = self.pairs(current, earlier)
+        return self.decide(row, current, earlier, pairs, distances(pairs) if pairs else [])
 
 
 @register("filter", "collaborative")
@@ -121,14 +132,13 @@ class CollaborativeFilter(SharingFilter):
                       if structurally_compatible(current.tree, earlier[k].tree, self.max_tree_distance)]
         return picked
 
-    def choose(self, row, current, earlier, distances):
+    def pairs(self, current, earlier):
         picked = [k for k in self.candidates(current, earlier) if earlier[k].blocks > 0]
-        pairs = [(j, k, j) for j in range(current.blocks) for k in picked if j < earlier[k].blocks]
-        if not pairs:
-            return []
-        dist = distances(pairs)
+        return [(j, k, j) for j in range(current.blocks) for k in picked if j < earlier[k].blocks]
+
+    def decide(self, row, current, earlier, pairs, distances):
         best: dict[int, tuple[float, Pair]] = {}
-        for pair, d in zip(pairs, dist):
+        for pair, d in zip(pairs, distances):
             if pair[0] not in best or d < best[pair[0]][0]:
                 best[pair[0]] = (d, pair)
         row.decisions += len(best)
@@ -161,7 +171,7 @@ class RandomFilter(SharingFilter):
     def new_row(self, prompt_ids):
         return RowHistory(rng=_random.Random(f"{self.seed}:{','.join(map(str, prompt_ids))}"))
 
-    def choose(self, row, current, earlier, distances):
+    def decide(self, row, current, earlier, pairs, distances):
         pool = [(k, i) for k, s in enumerate(earlier) for i in range(s.blocks)]
         row.decisions += current.blocks if pool else 0
         out = []
