@@ -113,3 +113,11 @@ def embedded():
     from kvcompose import models
 
     return models.load_default()
+
+
+def random_keep(data, view):
+    """A hypothesis-drawn keep mask over a store view's live tokens (for the pagers' state machines)."""
+    from hypothesis import strategies as st
+
+    bits = data.draw(st.lists(st.booleans(), min_size=view.valid.numel(), max_size=view.valid.numel()))
+    return torch.tensor(bits, dtype=torch.bool).view_as(view.valid) & view.valid

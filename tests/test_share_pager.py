@@ -5,9 +5,10 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import random_keep
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcompose import Policy
 from kvcompose.ops.paged_attention import paged_decode_attention
@@ -78,17 +79,15 @@ class ShareMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def evict(self, data):
         view = self.store.view()
-        bits = data.draw(st.lists(st.booleans(), min_size=view.valid.numel(), max_size=view.valid.numel()))
-        keep = torch.tensor(bits, dtype=torch.bool).view_as(view.valid) & view.valid
+        keep = random_keep(data, view)
         for b in range(self.B):
             self.model[b].subtract(view.positions[b][view.valid[b] & ~keep[b]].tolist())
             self.model[b] = +self.model[b]
         self.pager.compact(self.store, view, keep)
 
     @invariant()
+    @precondition(lambda self: hasattr(self, "store"))
     def logical_tokens_are_the_model(self):
-        if not hasattr(self, "store"):
-            return
         view = self.store.view()
         for b in range(self.B):
             live = view.valid[b]
@@ -98,9 +97,8 @@ class ShareMachine(RuleBasedStateMachine):
                 assert torch.equal(view.keys[b, :, j], k) and torch.equal(view.values[b, :, j], v)
 
     @invariant()
+    @precondition(lambda self: hasattr(self, "store"))
     def reference_counts_match_the_tables(self):
-        if not hasattr(self, "store"):
-            return
         region = self.store.regions[0]
         pool = region.pool
         used = Counter(region.table[region.table >= 0].tolist())
@@ -111,9 +109,8 @@ class ShareMachine(RuleBasedStateMachine):
             assert int(pool.refs[block]) == used.get(block, 0), f"block {block}: refs {int(pool.refs[block])}"
 
     @invariant()
+    @precondition(lambda self: hasattr(self, "store"))
     def accounting_counts_physical_blocks_once(self):
-        if not hasattr(self, "store"):
-            return
         s = self.store
         region = s.regions[0]
         pool = region.pool

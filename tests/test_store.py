@@ -1,6 +1,7 @@
 """Paged store invariants: direct checks and a hypothesis state machine over random operations."""
 
 import torch
+from conftest import random_keep
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -103,8 +104,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def evict(self, data):
         view = self.store.view()
-        bits = data.draw(st.lists(st.booleans(), min_size=view.valid.numel(), max_size=view.valid.numel()))
-        keep = torch.tensor(bits, dtype=torch.bool).view_as(view.valid) & view.valid
+        keep = random_keep(data, view)
         for b in range(self.B):
             for pos in view.positions[b][view.valid[b] & ~keep[b]].tolist():
                 del self.model[b][pos]
