@@ -149,6 +149,7 @@ def test_reasoncache_shares_repeated_steps_and_reports_it():
     assert sh["shared_entries"] == sh["shared_blocks"] * len(model.model.layers)
     assert 0 < sh["memory_saving_ratio"] < 1 and sh["filter_ms_per_step"] > 0
     assert report.kv_bytes + sh["saved_bytes"] > report.kv_bytes
+    _refs_follow_tables(cache)
     # Every layer made the same decisions: the same entries read the same earlier entries.
     per_layer = _aliases(cache, 0)
     assert per_layer[0] and all(a == per_layer[0] for a in per_layer)
@@ -301,6 +302,17 @@ def test_sharing_composes_with_eviction_and_a_quantized_format():
     for layer in cache.layers:  # the window holds the budget; positions may repeat in shared entries
         view = layer.store.view()
         assert int(view.valid.sum()) <= 40
-        pool = layer.store.regions[0].pool
-        used = layer.store.regions[0].table[layer.store.regions[0].table >= 0]
-        assert int(pool.refs[used.unique()].sum()) == used.numel(), "reference counts follow the table"
+    _refs_follow_tables(cache)
+
+
+def _refs_follow_tables(cache):
+    """Every block's reference count is the number of table entries naming it; free blocks hold none."""
+    from collections import Counter
+
+    for layer in cache.layers:
+        region = layer.store.regions[0]
+        pool = region.pool
+        used = Counter(region.table[region.table >= 0].tolist())
+        free = set(pool._free[: pool.num_free].tolist())
+        assert not free & set(used) and len(used) + len(free) == pool.capacity
+        assert all(int(pool.refs[b]) == used.get(b, 0) for b in range(pool.capacity)), "counts differ from tables"

@@ -54,7 +54,10 @@ class SharingTracker:
         self.shareable = 0  # own blocks of decided steps (one per step block, all layers together)
         self.decisions = 0  # blocks that had a candidate to compare with
         self.shared = 0  # blocks shared (each in every layer)
-        self._norms: list[dict] = []  # per layer: block id -> its squared norms (keys, values)
+        # Per layer: squared norms (keys, values) of blocks by id, on the device, and on the host
+        # the ids whose norms are known (a sealed block never changes; see _block_norms).
+        self._norms: list[torch.Tensor] = []
+        self._known: list[set[int]] = []
         self._epoch = -1
 
     # ------------------------------------------------------------ per forward
@@ -94,7 +97,8 @@ class SharingTracker:
         stores = [layer.store for layer in self.cache.layers]
         epoch = sum(s.evictions for s in stores)
         if epoch != self._epoch:  # an eviction rewrote blocks: cached norms may be stale
-            self._norms, self._epoch = [dict() for _ in stores], epoch
+            self._norms = [torch.zeros(0, 2, device=s.device) for s in stores]
+            self._known, self._epoch = [set() for _ in stores], epoch
         # Every layer moves the same tokens out of its buffer (evictions only remove more), so
         # layer 0 says when a step's tokens are all in blocks.
         none = torch.iinfo(torch.long).max
@@ -133,7 +137,7 @@ class SharingTracker:
             targets = [cols[b][len(self.rows[b].steps) - 1][j] for b, j, _, _ in shares]
             sources = [cols[b][k][i] for b, _, k, i in shares]
             for b, c in zip(rows, targets):  # the replaced block's id may be handed out again
-                self._norms[layer].pop(ids[layer][b][c], None)
+                self._known[layer].discard(ids[layer][b][c])
             as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=store.device)  # noqa: E731
             self.pager.share(store, as_tensor(rows), as_tensor(targets), as_tensor(sources), check=False)
         return True
@@ -182,10 +186,11 @@ class SharingTracker:
             a = [table[b][cols[b][current[b]][j]] for b, (j, _, _) in flat]
             c = [table[b][cols[b][k][i]] for b, (_, k, i) in flat]
             rows = torch.tensor([b for b, _ in flat], device=store.device)
-            ka, va = self._decode(store, rows, torch.tensor(a, device=store.device))
-            kc, vc = self._decode(store, rows, torch.tensor(c, device=store.device))
-            na = self._block_norms(layer, a, ka, va)
-            nc = self._block_norms(layer, c, kc, vc)
+            a_ids, c_ids = torch.tensor([a, c], device=store.device)
+            ka, va = self._decode(store, rows, a_ids)
+            kc, vc = self._decode(store, rows, c_ids)
+            na = self._block_norms(layer, a, a_ids, ka, va)
+            nc = self._block_norms(layer, c, c_ids, kc, vc)
             dot = torch.stack([(ka * kc).sum(-1), (va * vc).sum(-1)], -1)
             dist = (na + nc - 2 * dot).clamp(min=0).sqrt().sum(-1) / (2 * store.regions[0].pool.block_size
                                                                        * store.num_kv_heads)
@@ -206,16 +211,22 @@ class SharingTracker:
         k, v = pool.codec.decode(slots, groups, scales, torch.float32)
         return k.reshape(ids.numel(), -1).float(), v.reshape(ids.numel(), -1).float()
 
-    def _block_norms(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Squared norms ``[n, 2]`` (keys, values) of blocks, each computed once and kept."""
-        cache = self._norms[layer]
-        missing = [i for i, block in enumerate(block_ids) if block not in cache]
+    def _block_norms(self, layer: int, block_ids: list[int], ids: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """Squared norms ``[n, 2]`` (keys, values) of blocks ``ids`` (``block_ids`` on the host):
+        computed once per block and kept (the host knows which ids are kept: nothing is read back)."""
+        known = self._known[layer]
+        missing = [i for i, block in enumerate(block_ids) if block not in known]
+        norms = self._norms[layer]
+        need = max(block_ids) + 1
+        if need > norms.shape[0]:
+            norms = self._norms[layer] = torch.cat([norms, norms.new_zeros(need - norms.shape[0], 2)])
         if missing:
             at = torch.tensor(missing, device=k.device)
             fresh = torch.stack([k[at].square().sum(-1), v[at].square().sum(-1)], -1)
-            for i, n in zip(missing, fresh.unbind(0)):
-                cache[block_ids[i]] = n
-        return torch.stack([cache[block] for block in block_ids])
+            norms.index_copy_(0, ids[at], fresh)  # a block named twice gets the same value twice
+            known.update(block_ids[i] for i in missing)
+        return norms[ids]
 
     # ----------------------------------------------------------------- report
     def report(self) -> dict:

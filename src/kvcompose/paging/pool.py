@@ -128,16 +128,18 @@ class BlockPool:
             raise ValueError(f"pool {self.codec.name!r} does not count references; only the share pager shares blocks")
         self.refs.index_add_(0, ids, torch.ones_like(ids, dtype=self.refs.dtype))
 
-    def release(self, ids: torch.Tensor, check: bool = True) -> None:
+    def release(self, ids: torch.Tensor, last: bool = False) -> None:
         """Drop one reference to each of ``ids`` (repeats count); blocks left unreferenced go
-        back to the free list and their slots become empty. ``check=False`` skips the test for
-        a count below zero (a host read) where the caller took ``ids`` from a block table."""
+        back to the free list and their slots become empty. ``last=True``: the caller knows
+        these are distinct blocks with one reference each, so all of them are freed without
+        reading the counts back (no host synchronization)."""
         if ids.numel() and self.refs is not None:
             self.refs.index_add_(0, ids, torch.full_like(ids, -1, dtype=self.refs.dtype))
-            if check and bool((self.refs[ids] < 0).any()):
-                raise ValueError(f"pool {self.codec.name!r}: a block was released more often than it was "
-                                 "referenced (a kvcompose bug: please report it)")
-            ids = torch.unique(ids[self.refs[ids] == 0])
+            if not last:
+                if bool((self.refs[ids] < 0).any()):
+                    raise ValueError(f"pool {self.codec.name!r}: a block was released more often than it was "
+                                     "referenced (a kvcompose bug: please report it)")
+                ids = torch.unique(ids[self.refs[ids] == 0])
         n = ids.numel()
         if n == 0:
             return

@@ -56,8 +56,10 @@ class SharePager(GatherPager):
         """Point entry ``targets[i]`` of row ``rows[i]`` at the physical block of entry
         ``sources[i]`` of the same row (all ``[N]`` int64 block-table columns). Both entries
         must be sealed; a target may appear once and may not be a source of the same call.
-        ``check=False`` skips verifying that (it reads the device): for callers that chose the
-        entries from the block tables themselves, as the sharing tracker does."""
+        ``check=False`` skips verifying that, and takes each target's block to have no other
+        reference (it is freed without reading the counts back): for callers that chose the
+        entries from the block tables themselves, as the sharing tracker does with the own
+        blocks of a step it has not decided yet."""
         self.check_store(store)
         region = store.regions[0]
         if rows.numel() == 0:
@@ -68,7 +70,7 @@ class SharePager(GatherPager):
         old = region.table[rows, targets]
         region.pool.add_refs(new)
         region.table[rows, targets] = new
-        region.pool.release(old, check=check)
+        region.pool.release(old, last=not check)
 
     @staticmethod
     def _check_pairs(region: Region, rows, targets, sources) -> None:
