@@ -290,11 +290,11 @@ def test_compare_includes_the_sharing_presets():
     assert "sharing" not in by_label["fullkv"]
 
 
-def test_sharing_composes_with_eviction_and_a_quantized_format():
+def test_sharing_composes_with_eviction():
     model = tiny_model()
     _, ids, mask = left_padded([7])
     policy = Policy(name="window+share", budget=40, sinks=2, evictor="window", trigger="over_budget", pager="share",
-                    filter={"name": "collaborative", "warmup": 2}, precision={"all": "fp8"}, block_size=4,
+                    filter={"name": "collaborative", "warmup": 2}, block_size=4,
                     group_size=4)
     cache, logits = _drive(model, policy, ids, mask, SCRIPT)
     report = cache.report()
