@@ -143,3 +143,39 @@ def test_a_new_calibration_replaces_the_presets_calibrated_values(tmp_path):
                                 "layers": [1, 2], "mode_counts": {}, "fallback": None}))
     p = Policy.from_preset("thinkv", classifier={"calibration": str(path)})
     assert list(p.classifier.thresholds) == [0.3, 0.7] and list(p.classifier.layers) == [1, 2]
+
+
+def _step_down_by_rounds(tbe, target, closed, importance, n_classes, held, keep):
+    """Case 2 as the paper words it: one step-down per round, least important oldest first."""
+    S = target.shape[1]
+    idx = torch.arange(S)
+    target, held = target.clone(), held.clone()
+    for _ in range(S * len(tbe.retention)):
+        shrinkable = closed & (tbe._next(target) < target) & (held > keep)[:, None]
+        if not bool(shrinkable.any()):
+            break
+        key = torch.where(shrinkable, (n_classes + 1 - importance) * S + idx[None, :], torch.iinfo(torch.long).max)
+        pick = key.argmin(1)
+        cur = target.gather(1, pick[:, None])[:, 0]
+        new = torch.where(shrinkable.any(1), tbe._next(cur), cur)
+        held = held - (cur - new)
+        target = target.scatter(1, pick[:, None], new[:, None])
+    return target
+
+
+def test_over_budget_step_downs_equal_the_round_by_round_rule():
+    from kvcompose.evictors.tbe import ThoughtEvictor
+
+    tbe = ThoughtEvictor(retention=(64, 32, 16, 8, 4))
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        B, S = 3, int(torch.randint(1, 9, (1,), generator=g))
+        sizes = torch.tensor([128, 64, 32, 16, 8, 4, 100, 50, 3, 0])
+        target = sizes[torch.randint(0, len(sizes), (B, S), generator=g)]
+        closed = torch.rand(B, S, generator=g) < 0.8
+        importance = torch.randint(-1, 3, (B, S), generator=g)
+        held = target.sum(1) + torch.randint(0, 40, (B,), generator=g)
+        keep = torch.randint(0, int(held.max()) + 1, (B,), generator=g)
+        expected = _step_down_by_rounds(tbe, target, closed, importance, 3, held, keep)
+        got = tbe._step_down_over_budget(target, closed, importance, 3, held, keep)
+        assert torch.equal(got, expected), (trial, target, closed, importance, held, keep, got, expected)

@@ -92,21 +92,30 @@ class ThoughtEvictor(Evictor):
             earlier = closed & (idx[None, :] < last[:, None]) & ended_t[:, None]
             target = torch.where(earlier, self._next(target), target)
         # Case 2: over budget -> least important, oldest completed segment steps down, repeatedly.
-        held = ctx.valid.sum(1) - (size - target).sum(1)
         importance = torch.where(cls >= 0, rank[cls.clamp(min=0)], -1)
-        for _ in range(S * len(self.retention)):
-            over = held > ctx.keep
-            shrinkable = closed & (self._next(target) < target) & over[:, None]
-            if not bool(shrinkable.any()):
-                break
-            key = torch.where(shrinkable, (len(names) + 1 - importance) * S + idx[None, :], torch.iinfo(torch.long).max)
-            pick = key.argmin(1)
-            act = shrinkable.any(1)
-            cur = target.gather(1, pick[:, None])[:, 0]
-            new = torch.where(act, self._next(cur), cur)
-            held = held - (cur - new)
-            target = target.scatter(1, pick[:, None], new[:, None])
+        target = self._step_down_over_budget(target, closed, importance, len(names),
+                                             ctx.valid.sum(1) - (size - target).sum(1), ctx.keep)
         return self._keep_representatives(ctx, seg, size, target)
+
+    def _step_down_over_budget(self, target, closed, importance, n_classes: int, held, keep) -> torch.Tensor:
+        """Case 2 without a loop over rounds: while a row holds more than ``keep``, its least
+        important, oldest segment that can still shrink steps down one level. That order is
+        fixed (a segment goes down to its floor before the next one moves), so the moves form
+        one sequence per row; a move happens while the tokens held before it exceed ``keep``,
+        which makes the moves taken a prefix of it (cumulative savings). No host reads."""
+        B, S = target.shape
+        levels = [target]
+        for _ in self.retention:  # the chain target -> next -> ... reaches the floor within len(retention)
+            levels.append(self._next(levels[-1]))
+        levels = torch.stack(levels, -1)  # [B, S, R + 1]
+        saving = (levels[..., :-1] - levels[..., 1:]) * closed[..., None]  # [B, S, R]
+        idx = torch.arange(S, device=target.device)
+        order = torch.argsort((n_classes + 1 - importance) * S + idx[None, :], dim=1, stable=True)
+        ranked = saving.gather(1, order[..., None].expand_as(saving)).reshape(B, -1)
+        before = ranked.cumsum(1) - ranked
+        taken = ((held[:, None] - before) > keep[:, None]) & (ranked > 0)
+        moves = torch.empty_like(target).scatter_(1, order, taken.view(B, S, -1).sum(-1))
+        return levels.gather(2, moves[..., None])[..., 0]
 
     def _keep_representatives(self, ctx, seg, size, target) -> torch.Tensor:
         """Shrink every segment whose target is below its size to its K-means representatives."""
