@@ -152,7 +152,7 @@ class KVComposeLayer(CacheLayerMixin):
         if plan is not None and not plan.eager:  # the schedule says what else happens this step
             if plan.evict:
                 with self.cache.timer.phase("eviction"):
-                    policy.compress_scheduled(self)
+                    policy.compress(self, scheduled=True)
             return out.transpose(1, 2).contiguous()
         if view is None and thoughts.needs_view(self.layer_idx, store):
             view = store.view()

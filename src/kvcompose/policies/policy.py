@@ -252,38 +252,31 @@ class Policy:
         return generate(self, model, tokenizer, prompts, max_new_tokens=max_new_tokens, **generate_kwargs)
 
     # ------------------------------------------------------------ compression
-    def compress(self, layer, view: StoreView | None = None) -> bool:
+    def compress(self, layer, view: StoreView | None = None, scheduled: bool = False) -> bool:
         """Run trigger → evictor → pager on one layer after attention. Returns True if it evicted.
 
         Without a ``view`` the trigger decides on counts read from slot metadata, and the
-        dense view (which evictors score) is built only when it fires."""
+        dense view (which evictors score) is built only when it fires. ``scheduled`` (static
+        decode, :attr:`captures_eviction` policies): the schedule knows the trigger fires in
+        some row, so the device is not asked (rows that do not fire keep every token), the
+        eviction is counted on the device, and the step is replayed as a CUDA graph."""
         if self.evictor is None:
             return False
         store = layer.store
         counts = self.trigger_input(store, view)
         keep = self.trigger.plan(counts)
-        if not bool(self.trigger.fires(counts, keep).any()):
+        fired = self.trigger.fires(counts, keep)
+        if scheduled:
+            keep = torch.where(fired, keep, counts.stored)
+        elif not bool(fired.any()):
             return False
         view = view if view is not None else store.view()
         ctx = self.eviction_context(store, view, keep, layer.queries, layer.query_positions, layer.scaling)
         self.pager.compact(store, view, self.evictor.select(ctx))
+        if scheduled:
+            layer.cache.counters.note_eviction_on_device(fired.any())
+            layer.cache._note_memory(layer.layer_idx)
         return True
-
-    def compress_scheduled(self, layer) -> None:
-        """Static decode, on a step where the schedule knows the trigger fires in some row
-        (:attr:`captures_eviction` policies): what :meth:`compress` does, without asking the
-        device whether it fires (rows that do not fire keep every token), so the step has no
-        host synchronization and is replayed as a CUDA graph."""
-        store = layer.store
-        counts = self.trigger_input(store)
-        keep = self.trigger.plan(counts)
-        fired = self.trigger.fires(counts, keep)
-        keep = torch.where(fired, keep, counts.stored)
-        view = store.view()
-        ctx = self.eviction_context(store, view, keep, layer.queries, layer.query_positions, layer.scaling)
-        self.pager.compact(store, view, self.evictor.select(ctx))
-        layer.cache.counters.note_eviction_on_device(fired.any())
-        layer.cache._note_memory(layer.layer_idx)
 
     @property
     def captures_eviction(self) -> bool:

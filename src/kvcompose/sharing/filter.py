@@ -19,6 +19,7 @@ random earlier block at a fixed rate.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 import random as _random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,6 @@ class Step:
     text: StepText
     tree: Tree | None = None  # formal structure, when the filter checks it
     blocks: int = 0  # its own sealed blocks (all tokens inside the step), in every layer
-    norms: object = None  # tracker's cache of those blocks' squared norms
 
 
 @dataclass
@@ -53,7 +53,7 @@ class RowHistory:
 Pair = tuple[int, int, int]
 
 
-class SharingFilter:
+class SharingFilter(ABC):
     """Base class of the ``filter`` components (registered dataclasses)."""
 
     needs = "text"
@@ -74,11 +74,11 @@ class SharingFilter:
         """The block pairs whose distance :meth:`decide` needs (none by default)."""
         return []
 
+    @abstractmethod
     def decide(self, row: RowHistory, current: Step, earlier: Sequence[Step], pairs: list[Pair],
-               distances: Sequence[float]) -> list[Pair]:  # pragma: no cover - interface
+               distances: Sequence[float]) -> list[Pair]:
         """The blocks of ``current`` to share, each with the earlier block it maps onto, given the
         measured ``distances`` of :meth:`pairs` (the tracker measures every sequence's pairs at once)."""
-        raise NotImplementedError
 
     def choose(self, row: RowHistory, current: Step, earlier: Sequence[Step],
                distances: Callable[[list[Pair]], list[float]]) -> list[Pair]:
