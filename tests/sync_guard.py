@@ -2,10 +2,12 @@
 
 Inside :func:`no_host_sync`, reading a tensor's value on the host (``bool``, ``int``,
 ``float``, ``item``, ``tolist``, ``nonzero``), boolean-mask indexing (its output size depends
-on the data) and writing a Python scalar through a tensor index (a host-to-device copy on
-CUDA) raise ``HostSyncError``. A step that passes on CPU has none of the syncs that make a
+on the data), writing a Python scalar through a tensor index and making a tensor from
+Python data with ``torch.tensor`` (host-to-device copies on CUDA) raise ``HostSyncError``. A step that passes on CPU has none of the syncs that make a
 capture fail on the GPU. Calls from inside ``kvcompose.ops`` are let through: on CPU those
-ops run their torch references, on CUDA their kernels (whose capture the gpu tests check)."""
+ops run their torch references, on CUDA their kernels (whose capture the gpu tests check).
+So are those of ``kvcompose.device_constants``: it makes each constant once, and static
+decode runs every kind of step once eagerly before it captures one."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ import sys
 import torch
 
 OPS = os.sep + os.path.join("kvcompose", "ops") + os.sep
+CONSTANTS = os.sep + os.path.join("kvcompose", "device_constants.py")
 
 
 def _inside_ops() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
-        if OPS in frame.f_code.co_filename:
+        name = frame.f_code.co_filename
+        if OPS in name or name.endswith(CONSTANTS):
             return True
         frame = frame.f_back
     return False
@@ -71,13 +75,20 @@ def no_host_sync():
 
     patched = {n: refuse(n) for n in names[:7]}
     patched.update(__getitem__=getitem, __setitem__=setitem)
-    nonzero = torch.nonzero
+    nonzero, tensor = torch.nonzero, torch.tensor
+
+    def from_host(*args, **kwargs):
+        if _inside_ops():
+            return tensor(*args, **kwargs)
+        raise HostSyncError("torch.tensor copies Python data to the device; make the tensor outside the step")
+
     try:
         for n, f in patched.items():
             setattr(T, n, f)
         torch.nonzero = refuse("nonzero")
+        torch.tensor = from_host
         yield
     finally:
         for n, f in saved.items():
             setattr(T, n, f)
-        torch.nonzero = nonzero
+        torch.nonzero, torch.tensor = nonzero, tensor

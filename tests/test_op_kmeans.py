@@ -112,6 +112,32 @@ def test_segment_alone_equals_segment_in_batch_and_runs_are_deterministic():
             assert torch.equal(alone[0], batch[i])
 
 
+def layer_slots(b, h, l, d, s, n, seed=0, dtype=torch.float32, device="cpu"):
+    """A layer's keys [B, H, L, D] and S segments of N slots each, scattered over its rows."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, h, l, d, generator=g).to(dtype).to(device)
+    rows = torch.randint(0, b, (s,), generator=g)
+    cols = torch.stack([torch.randperm(l, generator=g)[:n] for _ in range(s)])
+    valid = torch.rand(s, n, generator=g) < 0.8
+    return keys, (rows.to(device), cols.to(device)), valid.to(device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_slots_read_in_place_equal_the_gathered_segments(backend):
+    keys, slots, valid = layer_slots(3, 2, 40, 12, s=6, n=19, seed=9)
+    rows, cols = slots
+    gathered = keys.permute(0, 2, 1, 3)[rows[:, None], cols].reshape(6, 19, 24)
+    k = torch.tensor([3, 0, 5, 1, 0, 8])
+    keep = kmeans_select(keys, valid, k, iters=3, backend=backend, max_k=8, slots=slots)
+    assert torch.equal(keep, kmeans_select(gathered, valid, k, iters=3, backend=backend, max_k=8))
+    assert not keep[k == 0].any()  # k = 0: nothing chosen (the kernel skips the segment)
+    check_counts(keep, valid, k)
+    with pytest.raises(ValueError, match="slots must be long tensors"):
+        kmeans_select(keys, valid, k, slots=(rows, cols[:, :5]))
+    with pytest.raises(ValueError, match=r"\[B, Hkv, L, D\]"):
+        kmeans_select(gathered, valid, k, slots=slots)
+
+
 def test_reference_entry_point_and_zero_iterations_keep_the_first_live_token():
     keys, valid, _ = random_segments(6, 25, 10, seed=6)
     keep = kmeans_select_reference(keys, valid, 1, iters=0)
@@ -154,3 +180,17 @@ def test_gpu_kernel_matches_reference_thinkv_shape():
     check_counts(tri, valid, k)
     same = (tri == ref).all(dim=1)
     assert same.all(), f"{int((~same).sum())} of 256 segments differ"
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_reads_slots_in_place_like_a_gathered_copy():
+    # TBE's call at scenario b's shapes: 16 rows x 64 segments of one layer's 8 x 128 keys. The
+    # kernel must choose exactly what it chooses from a gathered copy (its agreement with the
+    # reference, up to fp32 ties, is the test above).
+    keys, slots, valid = layer_slots(16, 8, 1400, 128, s=1024, n=128, seed=10, dtype=torch.bfloat16, device="cuda")
+    rows, cols = slots
+    gathered = keys.permute(0, 2, 1, 3)[rows[:, None], cols].reshape(1024, 128, 8 * 128)
+    k = torch.tensor([0, 64, 0, 32, 16, 0, 8, 4], device="cuda").repeat(128)
+    tri = kmeans_select(keys, valid, k, backend="triton", max_k=64, slots=slots)
+    assert torch.equal(tri, kmeans_select(gathered, valid, k, backend="triton", max_k=64))
+    check_counts(tri, valid, k)

@@ -94,6 +94,8 @@ def soak(preset: str, steps: int = STEPS) -> dict:
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         pos = positions[:, -1:]
         for step in range(1, steps + 1):
+            if cache.thoughts.current is not None:  # the class of this step's tokens, per row
+                rec["classes"].append(cache.thoughts.current.tolist())
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             pos = pos + 1
             out = model(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
@@ -104,8 +106,6 @@ def soak(preset: str, steps: int = STEPS) -> dict:
             rec["live"].append(live())
             rec["evictions"].append([layer.store.evictions for layer in layers])
             rec["allocated"].append(allocated())
-            if cache.thoughts.current is not None:  # the class of this step's tokens, per row
-                rec["classes"].append(cache.thoughts.current.tolist())
     rec["seconds"] = time.perf_counter() - start
     # Blocks a store of several regions (thought classes) may trade between them as the class mix
     # drifts: one per (row, layer, region).

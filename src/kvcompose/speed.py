@@ -120,17 +120,19 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     out = record(ids.shape[0], new, total - prefill, report.peak_kv_bytes, report.allocated_bytes)
     summary = cache.static_decoder.summary() if cache.static_decoder is not None else {"eager_steps": 0, "replays": 0}
     evicting = summary["eager_steps"] + summary.get("eviction_steps", 0)
+    special = evicting + summary.get("refresh_steps", 0)
     out.update(eager_steps=summary["eager_steps"], eviction_steps=summary.get("eviction_steps", 0),
-               replays=summary["replays"], eviction_call_rate=evicting / max(new - 1, 1))
+               refresh_steps=summary.get("refresh_steps", 0), replays=summary["replays"],
+               eviction_call_rate=evicting / max(new - 1, 1))
     ms = summary.get("ms_by_kind")
     if ms:
         step_ms = ms.get("replay", 0.0) / max(summary["replays"], 1)
         decode_ms = max(sum(ms.values()), 1e-9)
-        special_ms = ms.get("eager", 0.0) + ms.get("evict", 0.0)
+        special_ms = ms.get("eager", 0.0) + ms.get("evict", 0.0) + ms.get("refresh", 0.0)
         out.update(
-            # decode time of the eager and eviction steps beyond what a plain replayed step costs:
-            # evictions + refreshes
-            eviction_share=max(0.0, special_ms - evicting * step_ms) / decode_ms,
+            # decode time of the eager, eviction and refresh steps beyond what a plain replayed
+            # step costs: evictions + refreshes
+            eviction_share=max(0.0, special_ms - special * step_ms) / decode_ms,
             eager_share=ms.get("eager", 0.0) / decode_ms,
             evict_ms_per_step=ms.get("evict", 0.0) / max(summary.get("eviction_steps", 0), 1),
             replay_gpu_ms=step_ms, host_ms_per_replay=summary["host_ms_per_replay"],

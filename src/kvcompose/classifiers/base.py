@@ -60,12 +60,15 @@ class ClassifierInput:
     read may hold anything (NaN included), so the integration can skip them.
     ``texts`` holds the decoded recent segment of each sequence. ``batch_size``
     (and ``device`` for the result) only matter when neither signal is given.
+    ``check`` False asks the classifier not to test the signal's values (a host read):
+    static decode classifies inside a captured step, where the store flags NaN/inf keys.
     """
 
     sparsity: torch.Tensor | None = None  # [B, n_layers] float
     texts: Sequence[str] | None = None  # B strings
     batch_size: int | None = None
     device: torch.device | str | None = None
+    check: bool = True
 
     def __post_init__(self) -> None:
         sizes = {}
@@ -106,6 +109,10 @@ class Classifier:
     needs: str | None = None
     #: The layers whose sparsity is read (only meaningful when ``needs == "sparsity"``).
     layers: tuple[int, ...] = ()
+    #: Whether :meth:`classify` keeps fixed shapes and reads nothing on the host when
+    #: ``signal.check`` is False: static decode then replays refresh steps as a CUDA graph
+    #: (False: they run eagerly, outside the graphs).
+    graph_safe: bool = False
 
     def classify(self, signal: ClassifierInput) -> torch.Tensor:  # pragma: no cover - interface
         """Return ``[B]`` int64 indices into :attr:`types`, on ``signal.device``."""

@@ -24,6 +24,7 @@ class ConstantClassifier(Classifier):
     type: str = "R"  # the type every sequence gets: "R", "E" or "T"
 
     needs = None
+    graph_safe = True
 
     def __post_init__(self) -> None:
         check_type(f"{self.name} classifier", "type", self.type)

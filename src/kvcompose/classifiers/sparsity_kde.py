@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..device_constants import device_constant
 from ..registry import register
 from .base import SPARSITY_BIN_TYPES, Classifier, ClassifierInput, check_type
 
@@ -199,6 +200,8 @@ class SparsityKDEClassifier(Classifier):
             return cls(**{**fields, **overrides})
         return cls(calibration=str(source), **overrides)
 
+    graph_safe = True
+
     @property
     def needs(self) -> str | None:
         return "sparsity" if len(self.types) > 1 else None
@@ -213,8 +216,8 @@ class SparsityKDEClassifier(Classifier):
                 f"sparsity_kde classifier reads layers {list(self.layers)}, but the sparsity has only "
                 f"{s.shape[1]} layers; was it calibrated for another model ({self.model!r})?"
             )
-        picked = s[:, list(self.layers)].to(torch.float64)
-        if not bool(torch.isfinite(picked).all()):
+        picked = s.index_select(1, device_constant(tuple(self.layers), s.device)).to(torch.float64)
+        if signal.check and not bool(torch.isfinite(picked).all()):
             bad = (~torch.isfinite(picked)).any(1).nonzero().flatten().tolist()
             raise ValueError(
                 f"sparsity_kde classifier: non-finite sparsity in layers {list(self.layers)} for rows {bad}"
@@ -225,5 +228,5 @@ class SparsityKDEClassifier(Classifier):
         if len(self.types) == 1:
             return torch.zeros(signal.batch_size, dtype=torch.int64, device=signal.device)
         score = self.score(signal)
-        cuts = torch.tensor(self.thresholds, dtype=torch.float64, device=score.device)
+        cuts = device_constant(tuple(self.thresholds), score.device, torch.float64)
         return torch.bucketize(score, cuts, right=True).to(device=signal.device, dtype=torch.int64)

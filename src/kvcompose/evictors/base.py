@@ -35,6 +35,7 @@ class EvictionContext:
     class_names: tuple[str, ...] = ()  # the policy's token classes, e.g. ("R", "E", "T")
     prompt_columns: int = 0  # columns of the prefill: generated tokens have positions >= this
     segment: int = 0  # tokens per thought segment (the policy's refresh period), 0 if unused
+    columns_limit: int | None = None  # static decode: columns the whole run appends (sizes per-segment tensors)
     check: bool = True  # test scores for NaN/inf (a host synchronization; static decode skips it)
 
 

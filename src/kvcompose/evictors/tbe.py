@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device_constants import device_constant
 from ..ops.kmeans import kmeans_select
 from ..registry import register
 from .base import EvictionContext, Evictor
@@ -43,6 +44,8 @@ class ThoughtEvictor(Evictor):
     transition: str = "T"  # the class whose completion steps every earlier segment down
     importance: tuple[str, ...] = ("R", "E", "T")  # most important first (ThinKV: R > E > T)
     kmeans_iters: int = 10  # fixed Lloyd rounds
+
+    graph_safe = True  # fixed shapes once static decode sets ctx.columns_limit; no host reads
 
     def __post_init__(self) -> None:
         self.retention = tuple(self.retention)
@@ -60,7 +63,7 @@ class ThoughtEvictor(Evictor):
 
     def _next(self, size: torch.Tensor) -> torch.Tensor:
         """The next retention value below ``size`` (``size`` itself at or under the floor)."""
-        sched = torch.tensor(self.retention, device=size.device)
+        sched = device_constant(self.retention, size.device)
         below = torch.where(sched[None, :] < size.reshape(-1, 1), sched[None, :], 0).amax(1).reshape(size.shape)
         return torch.where(below > 0, below, size)
 
@@ -72,7 +75,7 @@ class ThoughtEvictor(Evictor):
         seg = torch.where(gen, (ctx.positions - ctx.prompt_columns) // tau, -1)
         newest = seg.amax(1)  # index of the newest (possibly open) segment per row
         done = torch.where(newest >= 0, (ctx.positions.amax(1) - ctx.prompt_columns + 1) // tau, 0)
-        S = int(done.max()) if B else 0
+        S = self._segment_columns(ctx, done)
         if S == 0:
             return ctx.valid.clone()
         idx = torch.arange(S, device=seg.device)
@@ -82,8 +85,6 @@ class ThoughtEvictor(Evictor):
         cls = torch.where(in_seg, ctx.classes[:, :, None], -1).amax(1)  # [B, S] the segment's class
 
         names = list(ctx.class_names)
-        rank = torch.tensor([self.importance.index(n) if n in self.importance else len(self.importance)
-                             for n in names], device=seg.device)
         target = size.clone()
         # Case 1: the segment that just completed is a transition -> every earlier one steps down.
         if self.transition in names:
@@ -92,10 +93,20 @@ class ThoughtEvictor(Evictor):
             earlier = closed & (idx[None, :] < last[:, None]) & ended_t[:, None]
             target = torch.where(earlier, self._next(target), target)
         # Case 2: over budget -> least important, oldest completed segment steps down, repeatedly.
+        rank = device_constant(tuple(self.importance.index(n) if n in self.importance else len(self.importance)
+                                    for n in names), seg.device)
         importance = torch.where(cls >= 0, rank[cls.clamp(min=0)], -1)
         target = self._step_down_over_budget(target, closed, importance, len(names),
                                              ctx.valid.sum(1) - (size - target).sum(1), ctx.keep)
-        return self._keep_representatives(ctx, seg, size, target)
+        return self._keep_representatives(ctx, gen, size, target)
+
+    @staticmethod
+    def _segment_columns(ctx: EvictionContext, done: torch.Tensor) -> int:
+        """How many segments the per-segment tensors hold: all the run can complete when static
+        decode says how long it is (fixed shapes, no host read), else those completed so far."""
+        if ctx.columns_limit is not None:
+            return max(0, ctx.columns_limit - ctx.prompt_columns) // ctx.segment
+        return int(done.max()) if done.numel() else 0
 
     def _step_down_over_budget(self, target, closed, importance, n_classes: int, held, keep) -> torch.Tensor:
         """Case 2 without a loop over rounds: while a row holds more than ``keep``, its least
@@ -117,24 +128,29 @@ class ThoughtEvictor(Evictor):
         moves = torch.empty_like(target).scatter_(1, order, taken.view(B, S, -1).sum(-1))
         return levels.gather(2, moves[..., None])[..., 0]
 
-    def _keep_representatives(self, ctx, seg, size, target) -> torch.Tensor:
-        """Shrink every segment whose target is below its size to its K-means representatives."""
-        keep = ctx.valid.clone()
-        rows, segs = (target < size).nonzero(as_tuple=True)
-        if rows.numel() == 0:
-            return keep
-        B, H, L, D = ctx.keys.shape
-        tau = ctx.segment
-        members = (seg[rows] == segs[:, None]) & ctx.valid[rows]  # [P, L]
-        # Members in position order, whatever slots they lie in (K-means seeds and ties follow
-        # this order, so the choice must not depend on where a pager put the tokens).
-        order_key = torch.where(members, ctx.positions[rows], torch.iinfo(torch.long).max)
-        cols = torch.argsort(order_key, dim=1, stable=True)[:, :tau]
-        live = members.gather(1, cols)
-        flat = ctx.keys.permute(0, 2, 1, 3).reshape(B * L, H * D)
-        keys = flat[rows[:, None] * L + cols]  # [P, tau, H*D]
-        chosen = kmeans_select(keys, live, target[rows, segs], iters=self.kmeans_iters,
-                               max_k=max(self.retention), validate=False)
-        drop = live & ~chosen
-        keep[rows[:, None].expand_as(cols)[drop], cols[drop]] = False
-        return keep | (ctx.protected & ctx.valid)
+    def _keep_representatives(self, ctx, gen, size, target) -> torch.Tensor:
+        """Shrink every segment whose target is below its size to its K-means representatives.
+
+        A row's slots sorted by position hold its prompt, then each segment's tokens in a run
+        (a segment spans ``segment`` positions), so segment ``s`` of row ``b`` starts at the
+        row's prompt tokens plus the sizes of its earlier segments. K-means runs on every
+        (row, segment) with fixed shapes, reading the keys in place; a segment that keeps its
+        size asks for no representatives, which the kernel skips."""
+        B, L = ctx.valid.shape
+        S, tau = size.shape[1], ctx.segment
+        big = torch.iinfo(torch.long).max
+        # Position order, whatever slots the tokens lie in (K-means seeds and ties follow it).
+        by_position = torch.argsort(torch.where(ctx.valid, ctx.positions, big), dim=1, stable=True)
+        start = (ctx.valid & ~gen).sum(1, keepdim=True) + size.cumsum(1) - size  # [B, S]
+        offset = torch.arange(tau, device=size.device)
+        live = offset < size[..., None]  # [B, S, tau]
+        cols = by_position.gather(1, (start[..., None] + offset).clamp(max=L - 1).view(B, -1)).view(B, S, tau)
+        shrinks = target < size
+        rows = torch.arange(B, device=size.device).repeat_interleave(S)
+        chosen = kmeans_select(ctx.keys, live.view(B * S, tau), torch.where(shrinks, target, 0).view(-1),
+                               iters=self.kmeans_iters, max_k=max(self.retention), validate=False,
+                               slots=(rows, cols.view(B * S, tau))).view(B, S, tau)
+        drop = live & ~chosen & shrinks[..., None]
+        dropped = torch.zeros(B, L, dtype=torch.int32, device=size.device).scatter_add_(
+            1, cols.view(B, -1), drop.view(B, -1).to(torch.int32))
+        return (ctx.valid & (dropped == 0)) | (ctx.protected & ctx.valid)

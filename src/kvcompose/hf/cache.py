@@ -150,9 +150,12 @@ class KVComposeLayer(CacheLayerMixin):
         if in_place:
             policy.compress_in_place(self)
         if plan is not None and not plan.eager:  # the schedule says what else happens this step
+            if plan.refresh:
+                view = store.view() if thoughts.needs_view(self.layer_idx, store) else None
+                thoughts.observe(self.layer_idx, query, view, scaling, store)
             if plan.evict:
                 with self.cache.timer.phase("eviction"):
-                    policy.compress(self, scheduled=True)
+                    policy.compress(self, view, scheduled=True)
             return out.transpose(1, 2).contiguous()
         if view is None and thoughts.needs_view(self.layer_idx, store):
             view = store.view()
@@ -250,10 +253,10 @@ class KVComposeLayer(CacheLayerMixin):
         self.queries = torch.cat([self.queries, query], dim=2)[:, :, -window:]
         self.query_positions = torch.cat([self.query_positions, positions], dim=1)[:, -window:]
 
-    def fix_capacity(self, tokens: int) -> None:
+    def fix_capacity(self, tokens: int, columns_limit: int | None = None) -> None:
         """Static mode for this layer: the store's capacity, and a full query window (empty
         entries at the front carry position -1, as padding does)."""
-        self.store.fix_capacity(tokens)
+        self.store.fix_capacity(tokens, columns_limit)
         window = self.cache.policy.query_window
         if window > 0 and self.queries is not None:
             missing = window - self.queries.shape[2]
@@ -345,14 +348,15 @@ class KVComposeCache(Cache):
         self._in_use[layer_idx] = self.layers[layer_idx].store.memory(self.memory_basis)["in_use"]
         self._peak = max(self._peak, sum(self._in_use))
 
-    def fix_capacity(self, tokens: int) -> None:
+    def fix_capacity(self, tokens: int, columns_limit: int | None = None) -> None:
         """Enter static mode after the prefill: every layer's store gets room for ``tokens``
-        tokens per row now, and memory is tracked on the device from here on."""
+        tokens per row now, and memory is tracked on the device from here on. ``columns_limit``:
+        the most columns the run will have appended (see :meth:`LayerStore.fix_capacity`)."""
         device = self.layers[0].store.device
         self._in_use_device = torch.tensor(self._in_use, dtype=torch.long, device=device)
         self._peak_device = torch.tensor(self._peak, dtype=torch.long, device=device)
         for layer in self.layers:
-            layer.fix_capacity(tokens)
+            layer.fix_capacity(tokens, columns_limit)
 
     def views(self) -> list[StoreView]:
         """Current dense views of every initialized layer (for inspection and tests)."""

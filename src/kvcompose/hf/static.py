@@ -6,8 +6,9 @@ device-side indices and attends through the fused paged kernel with no host
 synchronization. What differs between steps is known on the host in advance: a
 :class:`Schedule` says which steps move a buffer group into blocks (``flush``) and which
 must run eagerly (a trigger fires, the classifier refreshes), by running the policy's
-own trigger on the counts that each step adds. The other steps replay one of two
-captured CUDA graphs (with or without a flush). On CPU, or with ``graphs=False``, the
+own trigger on the counts that each step adds. Graph-safe evictions and classifier
+refreshes happen inside the step too; the other steps replay one of the captured CUDA
+graphs (one per combination of flush, eviction and refresh). On CPU, or with ``graphs=False``, the
 same steps run eagerly: that is how the tests check that this path gives the tokens of
 the eager path.
 """
@@ -31,8 +32,14 @@ class StepPlan:
     """What one decode step does besides appending and attending."""
 
     flush: bool  # some row's recent buffer fills: its oldest group is encoded into blocks
-    eager: bool  # the classifier refreshes, or a trigger fires for an evictor that is not graph-safe
+    eager: bool  # a trigger fires for an evictor, or a refresh comes for a classifier, that is not graph-safe
     evict: bool = False  # a trigger fires and the policy's eviction is graph-safe: evict inside the step
+    refresh: bool = False  # the classifier refreshes and is graph-safe: classify inside the step
+
+    @property
+    def graph_key(self) -> tuple[bool, bool, bool]:
+        """Steps with the same key replay the same captured graph."""
+        return self.flush, self.evict, self.refresh
 
 
 def static_capacity(policy, prompt_columns: int, max_new_tokens: int) -> int:
@@ -98,8 +105,8 @@ class Schedule:
         self.buffered -= full.long() * self.group
         refresh = self.cache.thoughts.is_refresh_step(self.stores[0])
         fires = self.since_sync == self.fires_at
-        captured = fires and not refresh and self.policy.captures_eviction
-        return StepPlan(flush=bool(full.any()), eager=refresh or (fires and not captured), evict=captured)
+        eager = (refresh and not self.policy.captures_refresh) or (fires and not self.policy.captures_eviction)
+        return StepPlan(flush=bool(full.any()), eager=eager, evict=fires and not eager, refresh=refresh and not eager)
 
 
 class StaticDecoder:
@@ -116,11 +123,12 @@ class StaticDecoder:
         self.positions = next_positions.clone()  # [B, 1], as generate computes them from the mask
         self.cache_position = torch.full((1,), columns, dtype=torch.long, device=next_positions.device)
         self.graphs = graphs
-        self.captured: dict[tuple[bool, bool], tuple] = {}  # (flush, evict) -> graph, logits
-        self.warm: set[tuple[bool, bool]] = set()
+        self.captured: dict[tuple[bool, bool, bool], tuple] = {}  # StepPlan.graph_key -> graph, logits
+        self.warm: set[tuple[bool, bool, bool]] = set()
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.eager_steps = 0
-        self.eviction_steps = 0  # scheduled eviction steps (replayed once captured)
+        self.eviction_steps = 0  # scheduled eviction steps (replayed once captured; refreshes included)
+        self.refresh_steps = 0  # scheduled refresh steps without an eviction (replayed once captured)
         self.replays = 0  # replays of plain decode steps
         # profile (CUDA): events around every step by kind, and the host's own time per replayed step
         self.profile = profile
@@ -138,7 +146,6 @@ class StaticDecoder:
         for layer in self.cache.layers:
             layer.store.columns_seen += 1
         self.cache.counters.begin_forward()
-        self.cache.thoughts.begin_forward()
 
     def step(self, tokens: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Feed ``tokens`` ``[B]`` through one decode step planned by ``plan`` (after
@@ -149,7 +156,7 @@ class StaticDecoder:
             began.record()
         self.ids.copy_(tokens[:, None])
         self.cache.step_plan = plan
-        key = (plan.flush, plan.evict)
+        key = plan.graph_key
         replay = not plan.eager and self.graphs and key in self.warm
         if not replay:
             if not plan.eager:
@@ -162,16 +169,19 @@ class StaticDecoder:
             graph, logits = self.captured[key]
             issued = time.perf_counter()
             graph.replay()
-            if not plan.evict:  # host time is measured on plain steps (an eviction step waits for the device)
+            plain = not (plan.evict or plan.refresh)
+            if plain:  # host time is measured on plain steps (an eviction step waits for the device)
                 self.replay_call_s = time.perf_counter() - issued
-            self.replays += not plan.evict
+            self.replays += plain
         self.eviction_steps += plan.evict
+        self.refresh_steps += plan.refresh and not plan.evict
         self.positions += 1
         self.cache_position += 1
         if self.profile:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
-            kind = "eager" if plan.eager else "evict" if plan.evict else "replay" if replay else "warm-up"
+            kind = ("eager" if plan.eager else "evict" if plan.evict else "refresh" if plan.refresh
+                    else "replay" if replay else "warm-up")
             self._events.append((kind, began, ended))
         return logits
 
@@ -182,9 +192,11 @@ class StaticDecoder:
 
     def summary(self) -> dict:
         """Steps by kind and, when profiling, milliseconds of decode time by kind (eager: the
-        steps where the policy refreshes or evicts outside a graph; evict: the scheduled eviction
-        steps, replayed once captured) and host milliseconds per replayed plain step."""
-        out = {"eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps, "replays": self.replays}
+        steps where the policy refreshes or evicts outside a graph; evict and refresh: the
+        scheduled eviction steps and the refresh steps without one, replayed once captured) and
+        host milliseconds per replayed plain step."""
+        out = {"eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps,
+               "refresh_steps": self.refresh_steps, "replays": self.replays}
         if self.profile and self._events:
             torch.cuda.synchronize()
             ms: dict[str, float] = {}
@@ -246,7 +258,8 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
         finished = None if eos is None else torch.isin(tokens[0], eos)
         if max_new_tokens > 1 and not (finished is not None and bool(finished.all())):
             reserve = max(max_new_tokens, reserve_new_tokens or 0)
-            cache.fix_capacity(static_capacity(cache.policy, input_ids.shape[1], reserve))
+            cache.fix_capacity(static_capacity(cache.policy, input_ids.shape[1], reserve),
+                               columns_limit=input_ids.shape[1] + reserve)
             decoder = StaticDecoder(model, cache, positions[:, -1:] + 1, input_ids.shape[1], graphs, profile)
             cache.static_decoder = decoder
             try:

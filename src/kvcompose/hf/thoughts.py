@@ -2,11 +2,12 @@
 
 Every ``policy.refresh`` generated tokens (and once after the prefill) the layers the
 classifier reads measure the attention sparsity of the current query; after the last
-layer the classifier turns them into one class per sequence. All layers switch to
-that class at the start of the next forward, so every layer files a token under the
-same class and a segment's tokens share one class. Without a classifier every token
-gets the policy's first class (``"R"`` if the precision map has one: prefill tokens
-are reasoning, as in ThinKV).
+layer (when every layer has filed this forward's tokens) the classifier's answer
+becomes the class of the following tokens, so every layer files a token under the same
+class and a segment's tokens share one class. Without a classifier every token gets
+the policy's first class (``"R"`` if the precision map has one: prefill tokens are
+reasoning, as in ThinKV). Nothing here reads the device, so static decode replays
+refresh steps inside its captured graphs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..classifiers.base import ClassifierInput
+from ..device_constants import device_constant
 from ..ops.sparsity import attention_sparsity
 from .timing import PhaseTimer
 
@@ -26,11 +28,10 @@ class ThoughtTracker:
         self.num_layers = num_layers
         classes = policy.classes
         self.default = classes.index("R") if "R" in classes else 0
-        self.current: torch.Tensor | None = None  # [B] class index used by this forward
-        self.pending: torch.Tensor | None = None  # decided at a refresh, used from the next forward
+        self.current: torch.Tensor | None = None  # [B] class index of new tokens (written in place)
         self.sparsity: torch.Tensor | None = None  # [B, num_layers], NaN where not measured
         self.class_tokens: torch.Tensor | None = None  # [num classes] real tokens filed per class (layer 0)
-        self.refreshes = 0
+        self.refresh_count: torch.Tensor | None = None  # refreshes so far, counted on the device
         self.timer = timer or PhaseTimer()  # the cache's (refresh time is one of its phases)
         self.tokens = tokens  # the cache's TokenStream (text classifiers read the recent segment from it)
 
@@ -40,19 +41,11 @@ class ThoughtTracker:
         if self.current is None:
             self.current = torch.full((batch,), self.default, dtype=torch.long, device=device)
             self.class_tokens = torch.zeros(len(self.policy.classes), dtype=torch.long, device=device)
+            self.refresh_count = torch.zeros((), dtype=torch.long, device=device)
         if layer_idx == 0:
-            self.begin_forward()
             n_real = real.sum(1) if real is not None else torch.full((batch,), tokens, device=device)
             self.class_tokens.index_add_(0, self.current, n_real.to(torch.long))
         return self.current[:, None].expand(batch, tokens)
-
-    def begin_forward(self) -> None:
-        """At the start of a forward pass, adopt a pending class decision (in place, so a
-        captured decode step reads it). Static decode calls this itself before every step,
-        since a replayed graph runs no Python."""
-        if self.pending is not None:
-            self.current.copy_(self.pending)
-            self.pending = None
 
     def step_classes(self, layer_idx: int) -> torch.Tensor:
         """Static decode: the class of each row's one new token ``[B]`` (counted at layer 0, on the device)."""
@@ -92,12 +85,12 @@ class ThoughtTracker:
                     texts = [self.tokens.recent_text(b, self.policy.refresh) for b in range(B)]
                 signal = ClassifierInput(
                     sparsity=self.sparsity if classifier.needs == "sparsity" else None,
-                    texts=texts, batch_size=B, device=query.device,
+                    texts=texts, batch_size=B, device=query.device, check=not store.static,
                 )
-                letters = classifier.types
-                lookup = torch.tensor([self.policy.classes.index(t) for t in letters], device=query.device)
-                self.pending = lookup[classifier.classify(signal)]
-                self.refreshes += 1
+                lookup = device_constant(tuple(self.policy.classes.index(t) for t in classifier.types),
+                                         query.device)
+                self.current.copy_(lookup[classifier.classify(signal)])  # every layer filed this forward's tokens
+                self.refresh_count += 1
                 self.sparsity = None
 
     def report(self) -> dict:
@@ -105,4 +98,5 @@ class ThoughtTracker:
         total = int(self.class_tokens.sum()) if self.class_tokens is not None else 0
         mix = {c: (100.0 * int(n) / total if total else 0.0)
                for c, n in zip(self.policy.classes, (self.class_tokens.tolist() if total else []))}
-        return {"thought_mix": mix, "refreshes": self.refreshes}
+        refreshes = int(self.refresh_count) if self.refresh_count is not None else 0
+        return {"thought_mix": mix, "refreshes": refreshes}

@@ -81,12 +81,14 @@ def kmeans_select(
     backend: str | None = None,
     max_k: int | None = None,
     validate: bool = True,
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Keep mask ``[S, N]`` choosing ``min(k[s], live[s])`` representative tokens per segment.
 
     Args:
         keys: ``[S, N, F]`` post-RoPE keys of S segments (KV heads flattened into F).
             Dead slots may hold anything, NaN included; they are never read into sums.
+            With ``slots``: a layer's keys ``[B, Hkv, L, D]`` (F = Hkv * D), read in place.
         valid: ``[S, N]`` bool, True for the segment's live tokens.
         k: target count per segment, an int tensor ``[S]`` or one Python int for all.
         iters: Lloyd rounds, a fixed count (0 keeps the nearest tokens to the seeds,
@@ -98,16 +100,20 @@ def kmeans_select(
             sized for N. Larger ``k`` values are clamped to it.
         validate: check for NaN/inf in live keys and for ``k`` outside ``[0, max_k]``;
             this costs one device-to-host sync. Hot paths that trust their inputs pass False.
+        slots: ``(rows [S], cols [S, N])``: token ``i`` of segment ``s`` is
+            ``keys[rows[s], :, cols[s, i]]``, so segments scattered over a layer's slots need
+            no gathered copy (an evictor's segments of a whole batch would be one the size
+            of the layer). A segment with ``k = 0`` costs the kernel almost nothing.
 
     Returns:
         ``[S, N]`` bool keep mask on ``keys.device``.
     """
-    (k_eff, given), bound = _prepare(keys, valid, k, iters, max_k)
+    (k_eff, given), bound = _prepare(keys, valid, k, iters, max_k, slots)
     if validate:
-        _check_values(keys, valid, given, max_k)
-    if not _use_triton(keys, backend):
-        return _reference(keys, valid, k_eff, iters, bound)[0]
-    return _kmeans_triton(keys, valid, k_eff, iters, bound)
+        _check_values(_gathered(keys, slots), valid, given, max_k)
+    if not _use_triton(valid, backend):
+        return _reference(_gathered(keys, slots), valid, k_eff, iters, bound)[0]
+    return _kmeans_triton(keys, valid, k_eff, iters, bound, slots)
 
 
 def kmeans_select_reference(
@@ -126,12 +132,38 @@ def kmeans_select_reference(
 # Checks and dispatch
 
 
-def _prepare(keys, valid, k, iters, max_k):
+def _segment_shape(keys, valid, slots) -> tuple[int, int, int]:
+    """``(S, N, F)`` of the segments, checking the layout of ``keys`` (and ``slots``)."""
+    shape = tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__
+    if slots is None:
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 3:
+            raise ValueError(f"kmeans_select: keys must be [S, N, F] (segments, tokens, features), got {shape}")
+        return tuple(keys.shape)
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+        raise ValueError(f"kmeans_select: with slots, keys must be a layer's [B, Hkv, L, D], got {shape}")
+    rows, cols = slots
+    n = valid.shape[1] if isinstance(valid, torch.Tensor) and valid.dim() == 2 else -1
+    if (rows.dim() != 1 or tuple(cols.shape) != (rows.shape[0], n) or rows.dtype != torch.long
+            or cols.dtype != torch.long or rows.device != keys.device or cols.device != keys.device):
+        raise ValueError(
+            f"kmeans_select: slots must be long tensors rows [S] and cols [S, N] on {keys.device} matching valid "
+            f"[S, N]; got rows {tuple(rows.shape)} {rows.dtype}, cols {tuple(cols.shape)} {cols.dtype}"
+        )
+    return rows.shape[0], n, keys.shape[1] * keys.shape[3]
+
+
+def _gathered(keys, slots):
+    """The segments' keys ``[S, N, F]`` as a copy (reference path and checks)."""
+    if slots is None:
+        return keys
+    rows, cols = slots
+    b, h, l, d = keys.shape
+    return keys.permute(0, 2, 1, 3)[rows[:, None], cols].reshape(cols.shape[0], cols.shape[1], h * d)
+
+
+def _prepare(keys, valid, k, iters, max_k, slots=None):
     """Check shapes and arguments; return ((k_eff [S] int32, k as given [S]), centroid bound)."""
-    if not isinstance(keys, torch.Tensor) or keys.dim() != 3:
-        shape = tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__
-        raise ValueError(f"kmeans_select: keys must be [S, N, F] (segments, tokens, features), got {shape}")
-    s, n, f = keys.shape
+    s, n, f = _segment_shape(keys, valid, slots)
     if keys.dtype not in FLOAT_DTYPES:
         raise ValueError(f"kmeans_select: keys dtype {keys.dtype} is not one of fp16, bf16, fp32")
     if not isinstance(valid, torch.Tensor) or tuple(valid.shape) != (s, n) or valid.dtype != torch.bool:
@@ -197,7 +229,7 @@ def _use_triton(x: torch.Tensor, backend: str | None) -> bool:
         if backend == "triton":
             raise ValueError(
                 f"kmeans_select: the Triton kernel takes at most {MAX_TRITON_TOKENS} tokens per segment, "
-                f"got keys {tuple(x.shape)}; use backend='torch'"
+                f"got {x.shape[1]}; use backend='torch'"
             )
         return False
     return runnable
@@ -272,22 +304,32 @@ def _reference(keys, valid, k_eff, iters, bound):
 # Triton path
 
 
-def _kmeans_triton(keys, valid, k_eff, iters, bound):
-    s, n, f = keys.shape
+def _kmeans_triton(keys, valid, k_eff, iters, bound, slots):
+    s, n, f = valid.shape[0], valid.shape[1], _segment_shape(keys, valid, slots)[2]
     keep = torch.zeros(s, n, dtype=torch.int8, device=keys.device)
     if s == 0 or n == 0:
         return keep.bool()
     np_, kp = _pow2(n), _pow2(bound)
     live = valid  # bool: the kernel reads it as bytes
+    # Where each token's features start (elements from keys' base), and how a feature index
+    # maps to memory: f = head * FD + d (one head of FD features for [S, N, F] keys).
+    if slots is None:
+        rows, cols = torch.arange(s, device=keys.device), torch.arange(n, device=keys.device).expand(s, n)
+        token_start = rows[:, None] * keys.stride(0) + cols * keys.stride(1)
+        fd, head_stride, feature_stride = f, 0, keys.stride(2)
+    else:
+        rows, cols = slots
+        token_start = rows[:, None] * keys.stride(0) + cols * keys.stride(2)
+        fd, head_stride, feature_stride = keys.shape[3], keys.stride(1), keys.stride(3)
     # Per segment: the Gram matrix (later the [K, N] distances; NP >= KP) and the token weights.
     scratch = torch.empty(s, np_, np_, dtype=torch.float32, device=keys.device)
     weights = torch.empty(s, np_, kp, dtype=torch.float32, device=keys.device)
     # Half-precision keys on GPU: tensor-core Gram (products are exact in fp32, sums in fp32).
     native = keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16)
     _kmeans_kernel[(s,)](
-        keys, live, k_eff, scratch, weights, keep,
-        n, f, iters,
-        keys.stride(0), keys.stride(1), keys.stride(2), live.stride(0), live.stride(1),
+        keys, token_start.contiguous(), live, k_eff, scratch, weights, keep,
+        n, f, fd, iters,
+        head_stride, feature_stride, live.stride(0), live.stride(1),
         NP=np_, KP=kp, BF=BLOCK_F, BI=min(BLOCK_I, np_), TIE_REL=TIE_REL, NATIVE_DOT=native,
         num_warps=8, **LAUNCH_OPTS,
     )
@@ -298,16 +340,18 @@ if triton is not None:
 
     @triton.jit
     def _kmeans_kernel(
-        x_ptr, live_ptr, k_ptr, gram_ptr, w_ptr, keep_ptr,
-        N, F, ITERS,
-        sxs, sxn, sxf, svs, svn,
+        x_ptr, start_ptr, live_ptr, k_ptr, gram_ptr, w_ptr, keep_ptr,
+        N, F, FD, ITERS,
+        sxh, sxf, svs, svn,
         NP: tl.constexpr, KP: tl.constexpr, BF: tl.constexpr, BI: tl.constexpr,
         TIE_REL: tl.constexpr, NATIVE_DOT: tl.constexpr,
     ):
         """One segment: Gram matrix, farthest-first seeds, ITERS Lloyd rounds, greedy selection.
 
-        Helpers are written inline (no nested jit calls) and reductions are kept out of
-        the inner loops where possible: both dominate the interpreter's run time.
+        Token ``i``'s feature ``f`` lies at ``start[s, i] + (f // FD) * sxh + (f % FD) * sxf``.
+        A segment with ``K = 0`` skips the work (its loops run zero times). Helpers are
+        written inline (no nested jit calls) and reductions are kept out of the inner loops
+        where possible: both dominate the interpreter's run time.
         """
         s = tl.program_id(0)
         tok = tl.arange(0, NP)
@@ -316,26 +360,29 @@ if triton is not None:
         ii = tl.arange(0, BI)
         live = tl.load(live_ptr + s * svs + tok * svn, mask=tok < N, other=0) != 0
         K = tl.load(k_ptr + s)
+        on = K > 0
+        on_tok = tok < tl.where(on, NP, 0)  # stores and loads of scratch only for a segment with work
         c_on = cols < K
-        x_rows = x_ptr + s * sxs + tok[:, None] * sxn
+        x_rows = x_ptr + tl.load(start_ptr + s * N + tok, mask=tok < N, other=0)[:, None]
         g_base = gram_ptr + s * NP * NP
         w_base = w_ptr + s * NP * KP
 
         # 1. Gram matrix of the live keys (the only pass over them), kept in scratch.
         gram = tl.zeros([NP, NP], tl.float32)
-        for f0 in range(0, F, BF):
+        for f0 in range(0, tl.where(on, F, 0), BF):
             f = f0 + fo
-            xt = tl.load(x_rows + f[None, :] * sxf, mask=live[:, None] & (f < F)[None, :], other=0.0)
+            f_at = (f // FD) * sxh + (f % FD) * sxf
+            xt = tl.load(x_rows + f_at[None, :], mask=live[:, None] & (f < F)[None, :], other=0.0)
             if NATIVE_DOT:
                 gram += tl.dot(xt, tl.trans(xt))
             else:
                 xt = xt.to(tl.float32)
                 gram += tl.dot(xt, tl.trans(xt), input_precision="ieee")
-        tl.store(g_base + tok[:, None] * NP + tok[None, :], gram)
+        tl.store(g_base + tok[:, None] * NP + tok[None, :], gram, mask=on_tok[:, None] & on_tok[None, :])
         tl.debug_barrier()
 
         # Farthest-first seeds from the Gram columns.
-        sq = tl.load(g_base + tok * NP + tok)
+        sq = tl.load(g_base + tok * NP + tok, mask=on_tok, other=0.0)
         far = tl.where(live, float("inf"), float("-inf"))
         seeds = tl.zeros([KP], tl.int32)
         for t in range(0, K):
@@ -348,11 +395,11 @@ if triton is not None:
         # x_j . c = (G W)_jc and |c|^2 = sum_j W_jc (G W)_jc: no further pass over the keys.
         # The last pass of the loop only measures (dots and |c|^2 for step 3).
         w = tl.where((tok[:, None] == seeds[None, :]) & c_on[None, :], 1.0, 0.0)
-        tl.store(w_base + tok[:, None] * KP + cols[None, :], w)
+        tl.store(w_base + tok[:, None] * KP + cols[None, :], w, mask=on_tok[:, None] & (cols >= 0)[None, :])
         tl.debug_barrier()
         dots = tl.zeros([NP, KP], tl.float32)
         cc = tl.zeros([KP], tl.float32)
-        for it in range(0, ITERS + 1):
+        for it in range(0, tl.where(on, ITERS + 1, 0)):
             dots = tl.zeros([NP, KP], tl.float32)
             for i0 in tl.static_range(0, NP, BI):
                 gt = tl.load(g_base + tok[:, None] * NP + (i0 + ii)[None, :])
@@ -373,7 +420,7 @@ if triton is not None:
         # distance columns go through the (now free) Gram scratch so each is one load.
         dist = tl.where(live[:, None], sq[:, None] - 2.0 * dots + cc[None, :], float("inf"))
         tl.debug_barrier()
-        tl.store(g_base + cols[None, :] * NP + tok[:, None], dist)
+        tl.store(g_base + cols[None, :] * NP + tok[:, None], dist, mask=on_tok[:, None] & (cols >= 0)[None, :])
         tl.debug_barrier()
         tol = TIE_REL * (tl.max(tl.where(c_on, cc, 0.0), axis=0) + tl.max(tl.where(live, sq, 0.0), axis=0))
         kept = tok < 0

@@ -115,6 +115,7 @@ class LayerStore:
         # Non-zero once a real token's key or value was NaN/inf; read by check_errors (no sync here).
         self.nonfinite = torch.zeros(1, dtype=torch.int32, device=device)
         self.static = False  # see fix_capacity
+        self.columns_limit: int | None = None  # static mode: the most columns the run appends, if known
 
     # ----------------------------------------------------------------- append
     def append(
@@ -250,10 +251,12 @@ class LayerStore:
         self.buf_meta = {n: wider(t, empty_value(n)) for n, t in self.buf_meta.items()}
 
     # ----------------------------------------------------------- static mode
-    def fix_capacity(self, tokens: int) -> None:
+    def fix_capacity(self, tokens: int, columns_limit: int | None = None) -> None:
         """Enter static mode: every region of every row gets blocks for ``tokens`` tokens now,
         and from then on :meth:`append_step` appends one token per row with fixed shapes, in place,
-        without host synchronization: what a captured CUDA graph replays."""
+        without host synchronization: what a captured CUDA graph replays. ``columns_limit``: the
+        most columns the run will have appended (evictors that keep per-segment state size it
+        from this instead of reading the device)."""
         if self.static:
             raise ValueError("this store is already in static mode")
         for pool in self.pools.values():
@@ -267,6 +270,7 @@ class LayerStore:
         self.column = torch.full((), self.columns_seen, dtype=torch.long, device=self.device)
         self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)
         self.static = True
+        self.columns_limit = columns_limit
 
     def append_step(self, keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, flush: bool) -> torch.Tensor:
         """Static mode: append one real token per row (``[B, Hkv, 1, D]``, classes ``[B]``) and

@@ -285,6 +285,12 @@ class Policy:
         return self.evictor is not None and not self.evicts_in_place and self.evictor.graph_safe
 
     @property
+    def captures_refresh(self) -> bool:
+        """Whether static decode replays classifier-refresh steps as a CUDA graph (the classifier
+        is graph-safe, or there is none)."""
+        return self.classifier is None or self.classifier.graph_safe
+
+    @property
     def evicts_in_place(self) -> bool:
         """Whether static decode evicts inside the captured step: the evictor reads only
         positions and slot channels (StreamingLLM's window, H2O), so its trigger and selection
@@ -365,6 +371,7 @@ class Policy:
             class_names=tuple(self.classes),
             prompt_columns=store.prompt_columns or 0,
             segment=self.refresh,
+            columns_limit=store.columns_limit if store.static else None,
             check=not store.static,
         )
 
