@@ -64,8 +64,9 @@ def e2e(lines: list[str]) -> None:
               "(`fast_generate`). Scenarios: (a) batch 16, 2,048 new tokens, budget 1,024; (b) batch 16, 8,192 new "
               "tokens; (c) the largest batch under 70 GiB for 512 + 8,192 tokens. *eviction share*: decode time of "
               "the eager steps (classifier refreshes, evictions that are not graph-safe) and of the scheduled eviction "
-              "steps (replayed graphs since run b5) beyond a plain replayed step's cost; *host share*: the host's own "
-              "time per plain replayed step over that step's GPU time. " + data.get("notes", ""), ""]
+              "steps (replayed graphs since run b5; ThinKV's segment-end and refresh steps since a6/b6) beyond a "
+              "plain replayed step's cost; *host share*: the host's own time per plain replayed step over that "
+              "step's GPU time. " + data.get("notes", ""), ""]
     rows = []
     order = sorted(data["records"], key=lambda r: (r["scenario"], r.get("run", ""), r["policy"] != "transformers-static"))
     for r in order:

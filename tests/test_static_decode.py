@@ -48,6 +48,7 @@ def test_static_path_gives_the_eager_tokens_evictions_and_memory(llama, preset):
     a, b = eager.report(), static.report()
     assert a.evictions == b.evictions
     assert a.eviction_call_rate == b.eviction_call_rate
+    assert a.refreshes == b.refreshes and a.thought_mix == b.thought_mix  # refreshes inside the steps
     if policy.evicts_in_place:  # no compaction: evicted slots stay allocated as holes until refilled
         pool = static.layers[0].store.regions[0].pool
         holes = len(static.layers) * ids.shape[0] * 2 * pool.payload_bytes_per_block
