@@ -217,6 +217,9 @@ class StaticDecoder:
     def _capture(self) -> tuple:
         graph = torch.cuda.CUDAGraph()
         gc.collect()  # graphs of other decoders the user dropped: destroy them now, not during the capture
+        # The graph's pool cannot reuse what the ordinary pool caches (say, the scratch of the
+        # eager run of an eviction step just before): hand that back so the capture fits.
+        torch.cuda.empty_cache()
         try:
             with self.cache.timer.paused(), torch.cuda.graph(graph, pool=self.pool):
                 logits = self._forward()
