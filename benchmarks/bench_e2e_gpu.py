@@ -12,8 +12,7 @@ Scenarios (``--scenarios``):
 - ``b``: long reasoning. B=16, prompt 512, 8,192 new tokens, budget 1,024.
 - ``c``: fixed memory. For prompt 512 + 8,192 new tokens, the largest batch whose peak GPU
   memory (weights included) stays under ``--memory-gib``, from the bytes each row reserves
-  (kvcompose: measured at two small batches, its capacity being reserved at the prefill,
-  over 1,024 steps for policies that evict or refresh, so that their captured steps count;
+  (kvcompose: measured at two small batches, its capacity being reserved at the prefill;
   the baseline: its static cache per row plus 2 GiB, since it recompiles per batch size),
   then throughput at that batch over ``--window`` decode steps.
 
@@ -90,13 +89,9 @@ def kvcompose_run(model, policy, batch: int, prompt: int, new: int, reserve: int
 
 
 # ------------------------------------------------------------------ scenario c: fixed memory
-PROBE_STEPS = 1024  # reaches every preset's second eviction at these shapes (its graph is captured)
-
-
 def per_row_bytes(run_at) -> tuple[float, float, float]:
     """(fixed bytes, other bytes per row, KV bytes reserved per row) of peak memory, from two
-    short runs at batch 2 and 4 (``run_at(batch)``), long enough to include the captured
-    eviction and refresh steps, whose scratch grows with the batch and stays in the graphs' pool."""
+    short runs at batch 2 and 4."""
     peaks, kv = {}, {}
     for b in (2, 4):
         torch.cuda.empty_cache()
@@ -170,8 +165,7 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> l
         policy = make_policy(name, budget, args.smoke)
         try:
             if scenario == "c" and not args.smoke:
-                probe = PROBE_STEPS if policy.evictor is not None or policy.classifier is not None else 2
-                fixed, other, kv_row = per_row_bytes(lambda b: kvcompose_run(model, policy, b, prompt, probe, total_new))
+                fixed, other, kv_row = per_row_bytes(lambda b: kvcompose_run(model, policy, b, prompt, 2, total_new))
                 b = largest_batch(fixed, other + kv_row, args.memory_gib * 2**30)
                 row = kvcompose_run(model, policy, b, prompt, args.window, total_new)
             else:
