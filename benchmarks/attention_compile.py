@@ -21,7 +21,7 @@ PAIRS = [("dense", "dense", "bf16", "fp32", 0), ("fp8", "fp8", "u8", "fp32", 0),
          ("ternary", "ternary", "u8", "u8", 0), ("int", "int", "u8", "fp16", 4), ("int_channel", "int", "u8", "fp16", 2)]
 
 
-def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores):
+def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, block=pa.FEW_ROWS_SHAPE[0]):
     ptr = {"q": "*bf16", "out": "*fp32", "lse": "*fp32", "score": "*fp32", "table": "*i32", "valid": "*u8"}
     for role in ("k", "v"):
         ptr.update({f"{role}c": f"*{codes}", f"{role}s": f"*{scale}", f"{role}m": f"*{scale}", f"{role}hs": "*fp32"})
@@ -32,7 +32,7 @@ def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores):
                 "total_cols": "i32", "qk_scale": "fp32"})
     consts = dict(KFMT=pa.FORMATS[kfmt], VFMT=pa.FORMATS[vfmt], KBITS=bits, VBITS=bits, KGROUP=32, VGROUP=32,
                   KEX=kfmt in pa.EXACT_FORMATS, VEX=vfmt in pa.EXACT_FORMATS, KTG=16, H=8 // group if group > 1 else 8, G=group, GP=16, D=head_dim, BS=16,
-                  BLOCK=pa.BLOCK_N, SCORES=scores, PREC="tf32", OUT=1, NATIVE=True)
+                  BLOCK=block, SCORES=scores, PREC="tf32", OUT=1, NATIVE=True)
     consts["KPER"] = 8 // bits if bits else {"nvfp4": 2, "ternary": 4}.get(kfmt, 1)
     consts["VPER"] = consts["KPER"]
     return sig, consts
@@ -41,11 +41,12 @@ def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores):
 def main() -> int:
     count = 0
     for kfmt, vfmt, codes, scale, bits in PAIRS:
-        for group, head_dim in ((1, 64), (8, 128)):
-            sig, consts = partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores=kfmt == "dense")
-            kernel = compile_for_hopper(pa._paged_partial_kernel, sig, consts, pa.WARPS)
-            print(f"partial {kfmt}/{vfmt} G={group} D={head_dim}: {len(kernel.asm['cubin'])} bytes of cubin",
-                  flush=True)
+        # both launch shapes (pa.launch_shape), each at one of the (group, head dim) cases
+        for (group, head_dim), (block, warps) in zip(((1, 64), (8, 128)), (pa.FEW_ROWS_SHAPE, pa.MANY_ROWS_SHAPE)):
+            sig, consts = partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, kfmt == "dense", block)
+            kernel = compile_for_hopper(pa._paged_partial_kernel, sig, consts, warps)
+            print(f"partial {kfmt}/{vfmt} G={group} D={head_dim} tile {block} x {warps} warps: "
+                  f"{len(kernel.asm['cubin'])} bytes of cubin", flush=True)
             count += 1
     sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32", "S": "i32"}
     kernel = compile_for_hopper(pa._merge_kernel, sig, dict(D=128, SP=64, DP=128, OUT=1), pa.WARPS)

@@ -32,6 +32,7 @@ from kvcompose.ops.paged_attention import (
     KVOperand,
     PagedSource,
     bytes_read,
+    launch_shape,
     paged_decode_attention,
     paged_decode_attention_torch,
 )
@@ -168,7 +169,8 @@ def run(shapes, formats, repeats: int) -> tuple[float, list[dict]]:
             tbps = nbytes / (ms * 1e-3) / 1e12
             row = {"format": label, "batch": B, "tokens": L, "ms": ms, "bytes": nbytes, "tb_per_s": tbps,
                    "fraction_of_copy": tbps / copy, "sdpa_ms": base_ms, "sdpa_backend": backend,
-                   "speedup_vs_sdpa": base_ms / ms, "max_abs_diff_vs_reference": check(query, sources)}
+                   "speedup_vs_sdpa": base_ms / ms, "max_abs_diff_vs_reference": check(query, sources),
+                   "launch": dict(zip(("tile_tokens", "warps"), launch_shape(B * KV_HEADS)))}
             results.append(row)
             print(f"{label:8s} B={B:4d} L={L:6d}  {ms:8.4f} ms  {tbps:5.2f} TB/s  {row['fraction_of_copy']:5.1%} "
                   f"of copy  sdpa {base_ms:8.4f} ms ({backend})  x{row['speedup_vs_sdpa']:.2f}  "

@@ -14,7 +14,14 @@ Scenarios (``--scenarios``):
   memory (weights included) stays under ``--memory-gib``, from the bytes each row reserves
   (kvcompose: measured at two small batches, its capacity being reserved at the prefill;
   the baseline: its static cache per row plus 2 GiB, since it recompiles per batch size),
-  then throughput at that batch over ``--window`` decode steps.
+  then throughput at that batch over ``--window`` decode steps. A run that still runs out
+  of memory (the probes see neither the eviction graphs' scratch nor a large prefill's
+  activations) is repeated at 90% of the batch, up to ``--oom-retries`` times; the record
+  lists the batches that did not fit.
+
+The CUDA allocator runs with ``expandable_segments:True`` (unless ``PYTORCH_CUDA_ALLOC_CONF``
+says otherwise; the JSON records it): at the batch sizes of scenario c the default
+allocator failed a 4.9 GiB prefill allocation with 13 GiB reserved but fragmented.
 
 Per run: decode ms/step (wall time of the whole run minus a prefill-only run, over the
 decode steps), tok/s, ``ratio_to_baseline``, peak GPU memory, the policy's KV bytes, the
@@ -30,12 +37,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import traceback
 from pathlib import Path
 
-import torch
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 
-from common import environment, format_table, llama_model, write_json
+import torch  # noqa: E402
+
+from common import environment, format_table, llama_model, write_json  # noqa: E402
 
 POLICIES = ["fullkv", "streamingllm", "snapkv", "h2o", "rkv", "rpc", "fp8", "nvfp4", "kivi2", "thinkv", "thinkv-tbq"]
 SCENARIOS = {
@@ -106,6 +116,28 @@ def largest_batch(fixed: float, per_row: float, cap_bytes: float, limit: int = 1
     return max(1, min(limit, math.floor((cap_bytes - fixed) / per_row)))
 
 
+def run_backing_off(run_at, batch: int, cap_gib: float, retries: int) -> dict:
+    """``run_at(batch)``, repeated at 90% of the batch while it runs out of GPU memory or its
+    peak passes ``cap_gib`` (``retries`` times at most); the record lists the batches that
+    did not fit."""
+    too_big = []
+    while True:
+        try:
+            row = run_at(batch)
+            if row["peak_gib"] <= cap_gib or len(too_big) == retries:
+                break
+            print(f"batch {batch} peaked at {row['peak_gib']:.1f} GiB, over the cap", flush=True)
+        except torch.OutOfMemoryError:
+            if len(too_big) == retries or batch == 1:
+                raise
+            traceback.print_exc(limit=1)
+            print(f"out of memory at batch {batch}", flush=True)
+        too_big.append(batch)
+        torch.cuda.empty_cache()
+        batch = max(1, math.floor(batch * 0.9))
+    return dict(row, over_cap_at=too_big) if too_big else row
+
+
 TABLE = ["policy", "scenario", "batch", "new_tokens", "ms_per_step", "tok_per_s", "ratio_to_baseline", "peak_gib",
          "eviction_call_rate", "eviction_share", "host_share", "error"]
 
@@ -123,6 +155,11 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-gib", type=float, default=70.0, help="scenario c: GPU memory cap, weights included")
     ap.add_argument("--window", type=int, default=1536,
                     help="decode steps timed for the baseline in b and c, and for kvcompose in c")
+    ap.add_argument("--baseline-window", type=int, default=None,
+                    help="decode steps timed for the baseline in b and c (default: --window; its step cost does "
+                         "not depend on the step)")
+    ap.add_argument("--oom-retries", type=int, default=4, help="scenario c: smaller batches tried after an OOM")
+    ap.add_argument("--run", default=None, help="label of this run, stored in each record (e.g. b7)")
     ap.add_argument("--out", default=None, help="JSON file; records are merged by (policy, scenario)")
     args = ap.parse_args(argv)
     model = build_model(args.smoke)
@@ -136,12 +173,26 @@ def main(argv=None) -> int:
         records += rows
         print(format_table(TABLE, [[_cell(r.get(c)) for c in TABLE] for r in rows]), flush=True)
     if args.out:
-        path = Path(args.out)
-        old = json.loads(path.read_text())["records"] if path.exists() else []
-        keep = [r for r in old if (r["policy"], r["scenario"]) not in {(n["policy"], n["scenario"]) for n in records}]
-        write_json(path, {"environment": environment(), "model": "random Llama-3-8B shapes, bf16",
-                          "records": keep + records})
+        merge_into(Path(args.out), records, args.run)
     return 0
+
+
+def merge_into(path: Path, records: list[dict], run: str | None) -> None:
+    """Add ``records`` to the JSON at ``path``: they replace older records of the same policy
+    and scenario; a baseline record stays while a record of its run still refers to it."""
+    env = environment()
+    old = json.loads(path.read_text()) if path.exists() else {"records": []}
+    for r in records:
+        r.update(run=run or r["scenario"], date=env["date"])
+    new = {(r["policy"], r["scenario"]) for r in records}
+    keep = [r for r in old["records"] if (r["policy"], r["scenario"]) not in new or
+            (r["policy"] == "transformers-static" and r.get("run") != (run or r["scenario"]))]
+    merged = keep + records
+    used = {(r["scenario"], r.get("run")) for r in merged if r["policy"] != "transformers-static"}
+    merged = [r for r in merged if r["policy"] != "transformers-static" or (r["scenario"], r.get("run")) in used]
+    runs = dict(old.get("environment", {}).get("runs", {}), **({run: env["date"]} if run else {}))
+    env.update(runs=runs, allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    write_json(path, dict(old, environment=env, model="random Llama-3-8B shapes, bf16", records=merged))
 
 
 def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> list[dict]:
@@ -153,10 +204,10 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> l
         # static cache's bytes per row, the weights, and 2 GiB for activations and workspace.
         kv_row = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 128 * 2 * (prompt + total_new)
         batch = largest_batch(torch.cuda.memory_allocated() + 2 * 2**30, kv_row, args.memory_gib * 2**30)
-        base = baseline_run(model, batch, prompt, args.window, cache_len=prompt + total_new)
+        base = baseline_run(model, batch, prompt, args.baseline_window or args.window, cache_len=prompt + total_new)
     else:
         batch = shape["batch"]
-        steps = new if scenario == "a" or args.smoke else min(new, args.window)
+        steps = new if scenario == "a" or args.smoke else min(new, args.baseline_window or args.window)
         base = baseline_run(model, batch, prompt, steps, cache_len=prompt + new)
     base.update(policy="transformers-static", scenario=scenario, ratio_to_baseline=1.0)
     rows.append(base)
@@ -167,7 +218,8 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> l
             if scenario == "c" and not args.smoke:
                 fixed, other, kv_row = per_row_bytes(lambda b: kvcompose_run(model, policy, b, prompt, 2, total_new))
                 b = largest_batch(fixed, other + kv_row, args.memory_gib * 2**30)
-                row = kvcompose_run(model, policy, b, prompt, args.window, total_new)
+                row = run_backing_off(lambda n: kvcompose_run(model, policy, n, prompt, args.window, total_new), b,
+                                      args.memory_gib, args.oom_retries)
             else:
                 row = kvcompose_run(model, policy, batch, prompt, new)
         except Exception as exc:  # record what failed instead of losing the other runs

@@ -133,12 +133,18 @@ def attention(lines: list[str]) -> None:
               f"must read (codes, scales, block tables, validity, queries); copy bandwidth "
               f"**{data['copy_tb_per_s']:.2f} TB/s**. SDPA: bf16 K/V of the same logical tokens, flash backend, "
               f"no mask. Targets: {t['frac_copy']:.0%} of copy at the three larger shapes; speed-up "
-              + ", ".join(f"{k} {v}x" for k, v in t["speedup"].items()) + ".", ""]
-    rows = [[r["format"], f"{r['batch']}x{r['tokens']}", f"{1e3 * r['ms']:.0f}", f"{r['tb_per_s']:.2f}",
+              + ", ".join(f"{k} {v}x" for k, v in t["speedup"].items()) + ". *launch*: tokens per tile x warps "
+              "of the partial kernel, which the op picks from the number of (row, KV head) programs. "
+              + data.get("notes", ""), ""]
+
+    def launch(r):
+        return f"{r['launch']['tile_tokens']} x {r['launch']['warps']}" if "launch" in r else ""
+
+    rows = [[r["format"], f"{r['batch']}x{r['tokens']}", launch(r), f"{1e3 * r['ms']:.0f}", f"{r['tb_per_s']:.2f}",
              f"{100 * r['fraction_of_copy']:.0f}", f"{1e3 * r['sdpa_ms']:.0f}", f"{r['speedup_vs_sdpa']:.2f}",
              f"{r['max_abs_diff_vs_reference']:.1e}"] for r in data["results"]]
-    lines += _table(["format", "B x L", "µs", "TB/s", "% of copy", "SDPA µs", "speed-up", "max diff vs ref"],
-                    rows) + [""]
+    lines += _table(["format", "B x L", "launch", "µs", "TB/s", "% of copy", "SDPA µs", "speed-up",
+                     "max diff vs ref"], rows) + [""]
 
 
 def eviction(lines: list[str]) -> None:

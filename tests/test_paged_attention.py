@@ -10,6 +10,7 @@ from kvcompose.ops.paged_attention import (
     EXACT_FORMATS,
     KVOperand,
     PagedSource,
+    fewest_waves,
     paged_decode_attention,
     paged_decode_attention_torch,
 )
@@ -104,6 +105,20 @@ def test_mixed_formats_holes_and_buffer_in_one_call():
     sources = [make_source("nvfp4", lengths, 2, 64, seed=1), make_source("ternary", lengths, 2, 64, holes=True, seed=2),
                make_source("dense", [5, 0, 15], 2, 64, bs=15, seed=3)]
     check_close(torch.randn(3, 8, 1, 64).to(torch.bfloat16), sources)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4", "int_channel"])
+def test_many_rows_launch_shape_matches_reference(fmt, monkeypatch):
+    """Past MANY_ROWS programs the kernel runs 32-token tiles on one warp (launch_shape): same attention."""
+    from kvcompose.ops import paged_attention as pa
+
+    monkeypatch.setattr(pa, "MANY_ROWS", 1)
+    assert pa.launch_shape(4) == pa.MANY_ROWS_SHAPE != pa.FEW_ROWS_SHAPE
+    lengths = [50, 3, 90]
+    sources = [make_source(fmt, lengths, 2, 64, holes=True, seed=5), make_source("dense", [5, 0, 15], 2, 64, bs=15)]
+    query = torch.randn(3, 8, 1, 64).to(torch.bfloat16)
+    check_close(query, sources)
+    check_mass(query, sources)
 
 
 def check_mass(query, sources, backend="triton", weight=None):
@@ -242,7 +257,33 @@ def test_interpreted_kernel_in_a_model_gives_the_eager_tokens():
     assert torch.equal(fused, eager)
 
 
+@pytest.mark.parametrize("rows,tokens,slots,expected", [
+    (128, 8192, 528, 4),  # 16 rows x 8 KV heads on 132 SMs x 4: one full wave, not 1.2 waves
+    (8, 32768, 528, 66),  # batch 1: every resident slot busy
+    (512, 4096, 528, 1),  # already one wave without splitting
+    (2048, 1024, 528, 1),
+])
+def test_splits_fill_whole_waves(rows, tokens, slots, expected):
+    most = -(-tokens // 256)
+    splits = fewest_waves(rows, tokens, slots, most)
+    assert splits == expected
+
+    def cost(s):
+        return -(-rows * s // slots) * -(-tokens // s)
+    assert all(cost(splits) <= cost(s) for s in range(1, most + 1))
+
+
 # ------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_cuda_split_plan_reads_the_compiled_kernel():
+    from kvcompose.ops import paged_attention as pa
+
+    src = make_source("nvfp4", [4096] * 2, 8, 128, device="cuda")
+    launch = pa._partial_launch(torch.zeros(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16), src, False)
+    resident = pa._resident(launch, torch.device("cuda"))
+    assert 1 <= resident <= 32 and resident == pa._resident(launch, torch.device("cuda"))
 
 
 @pytest.mark.gpu

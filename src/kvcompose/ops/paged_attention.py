@@ -70,11 +70,19 @@ FORMATS = {"dense": 0, "fp8": 1, "nvfp4": 2, "ternary": 3, "int": 4, "int_channe
 #: value to the model dtype instead; the kernel's products are the exact ones.
 EXACT_FORMATS = ("fp8", "nvfp4", "ternary")
 _PER_BYTE = {"dense": 1, "fp8": 1, "nvfp4": 2, "ternary": 4}
-BLOCK_N = 64  # tokens per tile of the partial kernel
+# Launch shape of the partial kernel: (tokens per tile, warps), by the number of (row, KV head)
+# programs per split. Swept on an H100 at 8 KV heads x 128 (benchmarks/sweep_attention_gpu.py):
+# with many programs, one warp on 32-token tiles keeps 9-12 programs resident per SM instead of 3-5
+# and ran 5-40% faster at 16 x 8K, 64 x 4K and 256 x 1K in every format; with few (8 at 1 x 32K),
+# split-KV cuts each row into up to 128 short splits and two warps on 64-token tiles ran 1.1-1.7x
+# faster. MANY_ROWS sits between the two measured counts (8 and 128).
+FEW_ROWS_SHAPE = (64, 2)
+MANY_ROWS_SHAPE = (32, 1)
+MANY_ROWS = 64
 MASS_BLOCK = 128  # tokens per program of the attention-mass kernel
 TOKENS_PER_SPLIT_MIN = 256  # a split never holds fewer tokens than this (unless the row is shorter)
-PROGRAMS_PER_SM = 4  # split-KV aims at this many programs per SM
-WARPS = 2
+PROGRAMS_PER_SM = 4  # resident programs assumed where the compiled kernel does not say
+WARPS = 2  # of the attention-mass kernel (the merge takes the partial kernel's)
 STAGES = 3  # software-pipelining depth of the partial kernel's loads (Triton's default)
 MAX_REGISTERS = None  # registers per thread of the partial kernel (None: the compiler's choice)
 LOG2E = 1.4426950408889634
@@ -619,16 +627,46 @@ def _mass_kernel(logit_ptr, lse_ptr, table_ptr, valid_ptr, mass_ptr, weight_ptr,
 # Launchers
 
 
-def plan_splits(rows: int, tokens: int, device: torch.device) -> int:
-    """Splits per row so that ``rows * splits`` programs fill the GPU, each split >= 256 tokens."""
+def plan_splits(rows: int, tokens: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits per row for ``rows`` (row, KV head) programs over ``tokens`` columns.
+
+    Programs of one launch take about the same time, so a launch costs its number of waves
+    (``ceil(programs / slots)``, ``slots``: ``per_sm`` resident programs times the SMs) times
+    one program's share of the tokens. The plan takes the split count with the least such
+    cost (the fewest splits among equals: fewer partial results to merge), each split holding
+    at least ``TOKENS_PER_SPLIT_MIN`` tokens. A 1.2-wave grid costs two waves: rounding the
+    split count up to "fill the GPU" made 16 x 8K rows slower than 64 x 4K ones."""
     if tokens == 0:
         return 0
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = cdiv(PROGRAMS_PER_SM * sms, max(rows, 1))
-    else:
-        want = 2  # the interpreter: exercise the merge without slowing tests down
-    return max(1, min(want, cdiv(tokens, TOKENS_PER_SPLIT_MIN)))
+    most = cdiv(tokens, TOKENS_PER_SPLIT_MIN)
+    if device.type != "cuda":
+        return min(2, most)  # the interpreter: exercise the merge without slowing tests down
+    slots = max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
+    return fewest_waves(max(rows, 1), tokens, slots, most)
+
+
+def fewest_waves(rows: int, tokens: int, slots: int, most: int) -> int:
+    """The split count in ``1..most`` whose launch (``rows`` programs per split, ``slots`` of
+    them resident at once) costs the least ``waves x tokens per split``; the smallest on ties."""
+    return min(range(1, most + 1), key=lambda s: (cdiv(rows * s, slots) * cdiv(tokens, s), s))
+
+
+def resident_programs(kernel, device: torch.device) -> int:
+    """Programs of a compiled kernel that one SM holds at once (registers, shared memory and
+    threads permitting); ``PROGRAMS_PER_SM`` where the compiled kernel does not say."""
+    init = getattr(kernel, "_init_handles", None)
+    if init is not None:
+        init()  # loads the binary, which sets n_regs
+    regs, warps = getattr(kernel, "n_regs", None), getattr(getattr(kernel, "metadata", None), "num_warps", None)
+    if not regs or not warps:
+        return PROGRAMS_PER_SM
+    props = torch.cuda.get_device_properties(device)
+    per_warp = cdiv(regs * 32, 256) * 256  # registers are handed out per warp in units of 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
+    shared = kernel.metadata.shared + 1024  # the runtime reserves 1 KiB per block
+    by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // shared
+    by_threads = props.max_threads_per_multi_processor // (32 * warps)
+    return max(1, min(by_regs, by_shared, by_threads, 32))
 
 
 def _operand_args(op: KVOperand, device) -> tuple:
@@ -724,38 +762,31 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
     if not sources:  # nothing stored anywhere: every row attends to nothing
         out = torch.zeros_like(query)
         return (out, torch.zeros(B, Hq, 0, device=device)) if probs else out
-    H = sources[0].key.codes.shape[1] if sources else Hq
-    G = Hq // H
-    splits = [plan_splits(B * H, s.tokens, device) for s in sources]
+    H = sources[0].key.codes.shape[1]
+    cols = sum(s.tokens for s in sources)
+    scores = probs or mass is not None
+    shape = launch_shape(B * H)
+    launches = [_partial_launch(q, src, scores, shape) for src in sources]
+    splits, spans = [], []  # splits per source and the tokens of each (a whole number of tiles)
+    for src, launch in zip(sources, launches):
+        block = launch[1]["BLOCK"]
+        per = cdiv(cdiv(src.tokens, plan_splits(B * H, src.tokens, device, _resident(launch, device))), block) * block
+        splits.append(cdiv(src.tokens, per))  # rounding up to whole tiles can leave the last splits empty: drop them
+        spans.append(per)
     total = max(1, sum(splits))
     part = torch.empty(B, Hq, total, D, dtype=torch.float32, device=device)
     lse = torch.empty(B, Hq, total, dtype=torch.float32, device=device)  # every split writes its own
-    cols = sum(s.tokens for s in sources)
-    scores = probs or mass is not None
     logits = torch.empty(B, Hq, cols if scores else 1, device=device)  # the splits cover every column
     split0 = col0 = 0
-    for src, n in zip(sources, splits):
-        per = cdiv(cdiv(src.tokens, n), BLOCK_N) * BLOCK_N
-        table = src.table.contiguous()
-        kb, kg, ktg = _operand_constants(src.key, D)
-        vb, vg, _ = _operand_constants(src.value, D)
-        _paged_partial_kernel[(B * H, n)](
-            q, part, lse, logits, table, src.valid.view(torch.uint8),
-            *_operand_args(src.key, device), *_operand_args(src.value, device),
-            table.shape[1], per, split0, total, col0, cols, scaling * LOG2E,
-            KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
-            KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte,
-            KEX=_exact(src.key, q.dtype), VEX=_exact(src.value, q.dtype), H=H, G=G, GP=max(16, next_pow2(G)), D=D,
-            BS=src.block_size, BLOCK=BLOCK_N, SCORES=scores, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            OUT=OUT_KINDS[q.dtype], NATIVE=not interpreted(_paged_partial_kernel), num_warps=WARPS, num_stages=STAGES,
-            **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
-        )
+    for src, n, per, (args, consts) in zip(sources, splits, spans, launches):
+        _paged_partial_kernel[(B * H, n)](q, part, lse, logits, *args, per, split0, total, col0, cols,
+                                          scaling * LOG2E, **consts)
         split0 += n
         col0 += src.tokens
     out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
     final = torch.empty(B, Hq, dtype=torch.float32, device=device)
     _merge_kernel[(B * Hq,)](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=next_pow2(D), OUT=kind,
-                             num_warps=WARPS)
+                             num_warps=shape[1])
     if mass is not None:
         weight = mass[1].float().contiguous()
         col0 = 0
@@ -768,6 +799,51 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
     if not probs:
         return out
     return out, torch.exp2(logits - final[..., None]).nan_to_num(0.0)  # -inf - -inf (empty row) -> 0
+
+
+def launch_shape(rows: int) -> tuple[int, int]:
+    """(tokens per tile, warps) of the partial kernel for ``rows`` (row, KV head) programs per split."""
+    return MANY_ROWS_SHAPE if rows >= MANY_ROWS else FEW_ROWS_SHAPE
+
+
+def _partial_launch(q: torch.Tensor, src: PagedSource, scores: bool, shape: tuple[int, int]) -> tuple[tuple, dict]:
+    """The source's arguments of :func:`_paged_partial_kernel` (after the outputs, before the
+    split geometry) and its compile-time constants, at launch ``shape`` (:func:`launch_shape`)."""
+    D, device = q.shape[-1], q.device
+    table = src.table.contiguous()
+    H = src.key.codes.shape[1]
+    G = q.shape[1] // H
+    kb, kg, ktg = _operand_constants(src.key, D)
+    vb, vg, _ = _operand_constants(src.value, D)
+    args = (table, src.valid.view(torch.uint8), *_operand_args(src.key, device), *_operand_args(src.value, device),
+            table.shape[1])
+    consts = dict(
+        KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
+        KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte,
+        KEX=_exact(src.key, q.dtype), VEX=_exact(src.value, q.dtype), H=H, G=G, GP=max(16, next_pow2(G)), D=D,
+        BS=src.block_size, BLOCK=shape[0], SCORES=scores, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        OUT=OUT_KINDS[q.dtype], NATIVE=not interpreted(_paged_partial_kernel), num_warps=shape[1], num_stages=STAGES,
+        **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
+    )
+    return args, consts
+
+
+_RESIDENT: dict = {}  # (device, compile-time constants) -> programs per SM of that variant
+
+
+def _resident(launch: tuple[tuple, dict], device: torch.device) -> int:
+    """Programs per SM of the variant a launch compiles to; compiled ahead of its first launch
+    (``warmup``) so that even the first call splits as every later one does."""
+    args, consts = launch
+    if device.type != "cuda":
+        return PROGRAMS_PER_SM
+    key = (device.index, *sorted(consts.items()))
+    if key not in _RESIDENT:
+        dummy = torch.empty(1, device=device)  # outputs; the split geometry below is typical, not exact
+        kernel = _paged_partial_kernel.warmup(dummy, dummy, dummy, dummy, *args, consts["BLOCK"], 0, 2, 0, 2, 1.0,
+                                              grid=(1, 1), **consts)
+        _RESIDENT[key] = resident_programs(kernel, device)
+    return _RESIDENT[key]
 
 
 def _exact(op: KVOperand, dtype: torch.dtype) -> bool:
@@ -790,5 +866,5 @@ def bytes_read(sources: list[PagedSource], query: torch.Tensor) -> int:
 __all__ = [
     "EXACT_FORMATS", "FORMATS", "KVOperand", "PagedSource", "add_mass_torch", "bytes_read", "decode_operand_torch",
     "dense_source_view",
-    "paged_decode_attention", "paged_decode_attention_torch", "plan_splits",
+    "fewest_waves", "launch_shape", "paged_decode_attention", "paged_decode_attention_torch", "plan_splits", "resident_programs",
 ]
