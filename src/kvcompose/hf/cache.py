@@ -22,6 +22,7 @@ from ..paging import LayerStore, StoreView
 from ..report import memory_dtype
 from .attention import ATTENTION_NAME, LAYER_ATTR, CacheReuseError, UnsupportedModelError
 from .counters import StepCounters
+from .model_check import check_model
 from .sharing import SharingTracker
 from .thoughts import ThoughtTracker
 from .tokens import TokenStream, TokenStreamer
@@ -284,6 +285,17 @@ def _attention_with_probs(query, keys, values, mask, scaling):
 
 class KVComposeCache(Cache):
     """A transformers cache whose layers live in the kvcompose paged store."""
+
+    @classmethod
+    def for_model(cls, policy: "Policy", model, fused_attention: bool = True, memory_basis="bfloat16",
+                  tokenizer=None) -> "KVComposeCache":
+        """A fresh cache for ``model`` under ``policy`` (what :meth:`Policy.make_cache` returns):
+        the model is checked, and a policy that reads the generated text needs its ``tokenizer``."""
+        num_layers = check_model(model)
+        if policy.needs_text and tokenizer is None:
+            raise ValueError(f"Policy {policy.name!r}: {policy.needs_text} reads the generated text; pass "
+                             "tokenizer= to make_cache (policy.generate passes its own)")
+        return cls(policy, num_layers, fused_attention=fused_attention, memory_basis=memory_basis, tokenizer=tokenizer)
 
     def __init__(self, policy: "Policy", num_layers: int, fused_attention: bool = True,
                  memory_basis: "torch.dtype | str | None" = torch.bfloat16, tokenizer=None):

@@ -234,16 +234,12 @@ class Policy:
         ``fused_attention=False`` keeps every step on the dense view + SDPA (the eager reference).
         ``memory_basis``: the dtype of the full cache its report states memory against (see
         :mod:`kvcompose.report`; None: the model's own dtype). ``tokenizer``: needed by policies
-        whose components read the generated text (:attr:`needs_text`)."""
+        whose components read the generated text (:attr:`needs_text`). The integration lives in
+        :mod:`kvcompose.hf` and depends on the policy, not the reverse: this is a delegation."""
         from ..hf.cache import KVComposeCache
-        from ..hf.model_check import check_model
 
-        num_layers = check_model(model)
-        if self.needs_text and tokenizer is None:
-            raise ValueError(f"Policy {self.name!r}: {self.needs_text} reads the generated text; pass "
-                             "tokenizer= to make_cache (policy.generate passes its own)")
-        return KVComposeCache(self, num_layers, fused_attention=fused_attention, memory_basis=memory_basis,
-                              tokenizer=tokenizer)
+        return KVComposeCache.for_model(self, model, fused_attention=fused_attention, memory_basis=memory_basis,
+                                        tokenizer=tokenizer)
 
     def generate(self, model, tokenizer, prompts, max_new_tokens: int = 256, **generate_kwargs):
         """Generate for a list of prompts under this policy; see :func:`kvcompose.hf.generate`."""
