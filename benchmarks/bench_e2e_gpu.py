@@ -35,6 +35,7 @@ share of eager steps (evictions, classifier refreshes) and their share of decode
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -118,13 +119,14 @@ def largest_batch(fixed: float, per_row: float, cap_bytes: float, limit: int = 1
 
 def run_backing_off(run_at, batch: int, cap_gib: float, retries: int) -> dict:
     """``run_at(batch)``, repeated at 90% of the batch while it runs out of GPU memory or its
-    peak passes ``cap_gib`` (``retries`` times at most); the record lists the batches that
-    did not fit."""
+    peak passes ``cap_gib`` (``retries`` times at most, never below one row). The record lists
+    the batches that did not fit (``over_cap_at``); ``over_cap`` says whether its own peak is
+    over the cap (retries used up)."""
     too_big = []
     while True:
         try:
             row = run_at(batch)
-            if row["peak_gib"] <= cap_gib or len(too_big) == retries:
+            if row["peak_gib"] <= cap_gib or len(too_big) == retries or batch == 1:
                 break
             print(f"batch {batch} peaked at {row['peak_gib']:.1f} GiB, over the cap", flush=True)
         except torch.OutOfMemoryError:
@@ -133,9 +135,10 @@ def run_backing_off(run_at, batch: int, cap_gib: float, retries: int) -> dict:
             traceback.print_exc(limit=1)
             print(f"out of memory at batch {batch}", flush=True)
         too_big.append(batch)
+        gc.collect()  # the failed run's cache and graphs refer to each other: free them before the retry
         torch.cuda.empty_cache()
         batch = max(1, math.floor(batch * 0.9))
-    return dict(row, over_cap_at=too_big) if too_big else row
+    return dict(row, over_cap=row["peak_gib"] > cap_gib, over_cap_at=too_big)
 
 
 TABLE = ["policy", "scenario", "batch", "new_tokens", "ms_per_step", "tok_per_s", "ratio_to_baseline", "peak_gib",
@@ -179,20 +182,23 @@ def main(argv=None) -> int:
 
 def merge_into(path: Path, records: list[dict], run: str | None) -> None:
     """Add ``records`` to the JSON at ``path``: they replace older records of the same policy
-    and scenario; a baseline record stays while a record of its run still refers to it."""
-    env = environment()
+    and scenario; a baseline record stays while a record of its run still refers to it. The
+    run's environment (versions, commit, allocator settings) goes under ``runs[run]``; the
+    top-level ``environment`` is the latest run's."""
+    env = dict(environment(), allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     old = json.loads(path.read_text()) if path.exists() else {"records": []}
+    run = run or records[0]["scenario"]
     for r in records:
-        r.update(run=run or r["scenario"], date=env["date"])
+        r.update(run=run, date=env["date"])
     new = {(r["policy"], r["scenario"]) for r in records}
     keep = [r for r in old["records"] if (r["policy"], r["scenario"]) not in new or
-            (r["policy"] == "transformers-static" and r.get("run") != (run or r["scenario"]))]
+            (r["policy"] == "transformers-static" and r.get("run") != run)]
     merged = keep + records
     used = {(r["scenario"], r.get("run")) for r in merged if r["policy"] != "transformers-static"}
     merged = [r for r in merged if r["policy"] != "transformers-static" or (r["scenario"], r.get("run")) in used]
-    runs = dict(old.get("environment", {}).get("runs", {}), **({run: env["date"]} if run else {}))
-    env.update(runs=runs, allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
-    write_json(path, dict(old, environment=env, model="random Llama-3-8B shapes, bf16", records=merged))
+    runs = dict(old.get("environment", {}).get("runs", {}), **{run: env})
+    write_json(path, dict(old, environment=dict(env, runs=runs), model="random Llama-3-8B shapes, bf16",
+                          records=merged))
 
 
 def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> list[dict]:

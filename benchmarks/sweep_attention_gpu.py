@@ -32,7 +32,8 @@ def main() -> int:
             q = queries[(b, l)]
             try:
                 ms = bench.graph_ms(lambda: pa.paged_decode_attention(q, sources, 0.088), 30)
-                resident = pa._resident(pa._partial_launch(q, sources[0], False, (block, warps)), q.device)
+                launch = pa._partial_launch(q, sources[0], False, (block, warps))
+                resident = pa._resident(q, launch, sum(src.tokens for src in sources))
                 cells.append(f"{f}@{b}x{l}={ms * 1e3:.0f}us/{resident}")
             except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is reported
                 cells.append(f"{f}@{b}x{l}=ERR({type(e).__name__})")

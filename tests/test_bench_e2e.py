@@ -32,10 +32,17 @@ def test_scenario_c_backs_off_from_out_of_memory_and_the_cap(bench):
 
     row = bench.run_backing_off(run_at, 200, cap_gib=70.0, retries=4)
     assert tried == [200, 180, 162, 145, 130] and row["batch"] == 130
-    assert row["over_cap_at"] == [200, 180, 162, 145]
+    assert row["over_cap_at"] == [200, 180, 162, 145] and not row["over_cap"]
     with pytest.raises(torch.OutOfMemoryError):
         bench.run_backing_off(run_at, 200, cap_gib=70.0, retries=2)
-    assert bench.run_backing_off(run_at, 100, cap_gib=70.0, retries=2) == {"batch": 100, "peak_gib": 50.0}
+    assert bench.run_backing_off(run_at, 100, cap_gib=70.0, retries=2) == {
+        "batch": 100, "peak_gib": 50.0, "over_cap": False, "over_cap_at": []}
+    tried.clear()
+    row = bench.run_backing_off(run_at, 145, cap_gib=70.0, retries=0)  # no retry left: kept, and flagged
+    assert tried == [145] and row["over_cap"] and row["over_cap_at"] == []
+    tried.clear()
+    row = bench.run_backing_off(lambda b: tried.append(b) or {"batch": b, "peak_gib": 99.0}, 2, 70.0, 5)
+    assert tried == [2, 1] and row["over_cap"]  # never below one row
 
 
 def test_records_replace_their_policy_and_scenario_and_keep_referenced_baselines(bench, tmp_path):
@@ -54,4 +61,5 @@ def test_records_replace_their_policy_and_scenario_and_keep_referenced_baselines
     assert got == {("transformers-static", "b", "b5"), ("snapkv", "b", "b5"), ("rkv", "a", "a2"),
                    ("transformers-static", "b", "b7"), ("rkv", "b", "b7")}
     assert data["notes"] == "kept" and set(data["environment"]["runs"]) == {"b4", "b7"}
+    assert data["environment"]["runs"]["b4"] == "x" and "allocator" in data["environment"]["runs"]["b7"]
     assert all("date" in r for r in data["records"] if r["run"] == "b7")

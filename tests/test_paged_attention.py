@@ -257,20 +257,24 @@ def test_interpreted_kernel_in_a_model_gives_the_eager_tokens():
     assert torch.equal(fused, eager)
 
 
-@pytest.mark.parametrize("rows,tokens,slots,expected", [
-    (128, 8192, 528, 4),  # 16 rows x 8 KV heads on 132 SMs x 4: one full wave, not 1.2 waves
-    (8, 32768, 528, 66),  # batch 1: every resident slot busy
-    (512, 4096, 528, 1),  # already one wave without splitting
-    (2048, 1024, 528, 1),
+@pytest.mark.parametrize("rows,tokens,slots,block,expected", [
+    (128, 8192, 528, 64, 4),  # 16 rows x 8 KV heads on 132 SMs x 4: one full wave, not 1.2 waves
+    (8, 32768, 528, 64, 64),  # batch 1: 512 of the 528 slots busy, 8 tiles each
+    (512, 4096, 528, 64, 1),  # already one wave without splitting
+    (2048, 1024, 528, 64, 1),
+    (128, 8192, 1320, 32, 10),  # the one-warp shape: 10 programs per SM
+    (64, 32768, 1584, 32, 24),  # not 99 splits in 4 waves for a 2% rounding gain
+    (32, 65536, 660, 64, 20),
 ])
-def test_splits_fill_whole_waves(rows, tokens, slots, expected):
+def test_splits_fill_whole_waves(rows, tokens, slots, block, expected):
     most = -(-tokens // 256)
-    splits = fewest_waves(rows, tokens, slots, most)
+    splits = fewest_waves(rows, tokens, slots, most, block)
     assert splits == expected
 
     def cost(s):
-        return -(-rows * s // slots) * -(-tokens // s)
-    assert all(cost(splits) <= cost(s) for s in range(1, most + 1))
+        return -(-rows * s // slots) * -(-(-(-tokens // s)) // block)
+    best = min(cost(s) for s in range(1, most + 1))
+    assert cost(splits) <= best * 1.05 and all(cost(s) > best * 1.05 for s in range(1, splits))
 
 
 # ------------------------------------------------------------------- GPU
@@ -281,9 +285,11 @@ def test_cuda_split_plan_reads_the_compiled_kernel():
     from kvcompose.ops import paged_attention as pa
 
     src = make_source("nvfp4", [4096] * 2, 8, 128, device="cuda")
-    launch = pa._partial_launch(torch.zeros(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16), src, False)
-    resident = pa._resident(launch, torch.device("cuda"))
-    assert 1 <= resident <= 32 and resident == pa._resident(launch, torch.device("cuda"))
+    query = torch.zeros(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    for shape in (pa.FEW_ROWS_SHAPE, pa.MANY_ROWS_SHAPE):
+        launch = pa._partial_launch(query, src, False, shape)
+        resident = pa._resident(query, launch, src.tokens)
+        assert 1 <= resident <= 32 and resident == pa._resident(query, launch, src.tokens)
 
 
 @pytest.mark.gpu

@@ -34,6 +34,7 @@ with the validity mask.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,7 @@ FEW_ROWS_SHAPE = (64, 2)
 MANY_ROWS_SHAPE = (32, 1)
 MANY_ROWS = 64
 MASS_BLOCK = 128  # tokens per program of the attention-mass kernel
+MERGE_CHUNK = 16  # partial results the merge combines per step
 TOKENS_PER_SPLIT_MIN = 256  # a split never holds fewer tokens than this (unless the row is shorter)
 PROGRAMS_PER_SM = 4  # resident programs assumed where the compiled kernel does not say
 WARPS = 2  # of the attention-mass kernel (the merge takes the partial kernel's)
@@ -582,20 +584,26 @@ def _paged_partial_kernel(
 
 @jit
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, D: tl.constexpr, SP: tl.constexpr,
-                  DP: tl.constexpr, OUT: tl.constexpr):
-    """Combine the ``S`` partial results of one (row, query head) by their log2-sum-exp."""
+                  DP: tl.constexpr, OUT: tl.constexpr, CHUNK: tl.constexpr):
+    """Combine the ``S`` partial results of one (row, query head) by their log2-sum-exp: the
+    weights from all ``S`` log-sum-exps at once, the outputs ``CHUNK`` splits at a time (a
+    ``[S, D]`` tile in registers spilled from 64 splits on)."""
     pid = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SP)
-    d = tl.arange(0, DP)
     lse = tl.load(lse_ptr + pid * S + s, mask=s < S, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
-    total = tl.sum(w, 0)
-    o = tl.load(part_ptr + (pid * S + s[:, None]) * D + d[None, :], mask=(s[:, None] < S) & (d[None, :] < D),
-                other=0.0)
-    merged = tl.sum(o * w[:, None], 0) / tl.maximum(total, 1e-30)
-    store_out_tl(out_ptr + pid * D + d, merged, d < D, OUT)
+    total = tl.sum(tl.exp2(lse - m_safe), 0)
+    c = tl.arange(0, CHUNK)
+    d = tl.arange(0, DP)
+    acc = tl.zeros([DP], tl.float32)
+    for s0 in range(0, S, CHUNK):
+        inside = s0 + c < S
+        w = tl.exp2(tl.load(lse_ptr + pid * S + s0 + c, mask=inside, other=float("-inf")) - m_safe)
+        o = tl.load(part_ptr + (pid * S + s0 + c[:, None]) * D + d[None, :], mask=inside[:, None] & (d[None, :] < D),
+                    other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
+    store_out_tl(out_ptr + pid * D + d, acc / tl.maximum(total, 1e-30), d < D, OUT)
     tl.store(final_lse_ptr + pid, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")))
 
 
@@ -627,28 +635,35 @@ def _mass_kernel(logit_ptr, lse_ptr, table_ptr, valid_ptr, mass_ptr, weight_ptr,
 # Launchers
 
 
-def plan_splits(rows: int, tokens: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Splits per row for ``rows`` (row, KV head) programs over ``tokens`` columns.
-
-    Programs of one launch take about the same time, so a launch costs its number of waves
-    (``ceil(programs / slots)``, ``slots``: ``per_sm`` resident programs times the SMs) times
-    one program's share of the tokens. The plan takes the split count with the least such
-    cost (the fewest splits among equals: fewer partial results to merge), each split holding
-    at least ``TOKENS_PER_SPLIT_MIN`` tokens. A 1.2-wave grid costs two waves: rounding the
-    split count up to "fill the GPU" made 16 x 8K rows slower than 64 x 4K ones."""
+def plan_splits(rows: int, tokens: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM,
+                block: int = FEW_ROWS_SHAPE[0]) -> int:
+    """Splits per row for ``rows`` (row, KV head) programs over ``tokens`` columns, tiles of
+    ``block`` tokens, ``per_sm`` programs resident per SM (see :func:`fewest_waves`); each
+    split holds at least ``TOKENS_PER_SPLIT_MIN`` tokens."""
     if tokens == 0:
         return 0
     most = cdiv(tokens, TOKENS_PER_SPLIT_MIN)
     if device.type != "cuda":
         return min(2, most)  # the interpreter: exercise the merge without slowing tests down
     slots = max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
-    return fewest_waves(max(rows, 1), tokens, slots, most)
+    return fewest_waves(max(rows, 1), tokens, slots, most, block)
 
 
-def fewest_waves(rows: int, tokens: int, slots: int, most: int) -> int:
-    """The split count in ``1..most`` whose launch (``rows`` programs per split, ``slots`` of
-    them resident at once) costs the least ``waves x tokens per split``; the smallest on ties."""
-    return min(range(1, most + 1), key=lambda s: (cdiv(rows * s, slots) * cdiv(tokens, s), s))
+WAVE_TOLERANCE = 1.05  # a plan this close to the cheapest counts as cheapest (fewer splits win)
+
+
+@functools.lru_cache(maxsize=4096)
+def fewest_waves(rows: int, tokens: int, slots: int, most: int, block: int) -> int:
+    """The split count in ``1..most`` for ``rows`` programs per split with ``slots`` resident at once.
+
+    Programs of one launch are latency-bound and take about the same time, so a launch costs
+    its waves (``ceil(programs / slots)``) times the tiles of one split. Among the plans within
+    ``WAVE_TOLERANCE`` of the cheapest, the fewest splits (fewer partial results to merge, no
+    many-wave plan for a rounding gain). A 1.2-wave grid costs two waves: rounding the split
+    count up to "fill the GPU" made 16 x 8K rows slower than 64 x 4K ones."""
+    cost = {s: cdiv(rows * s, slots) * cdiv(cdiv(tokens, s), block) for s in range(1, most + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= best * WAVE_TOLERANCE)
 
 
 def resident_programs(kernel, device: torch.device) -> int:
@@ -770,7 +785,8 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
     splits, spans = [], []  # splits per source and the tokens of each (a whole number of tiles)
     for src, launch in zip(sources, launches):
         block = launch[1]["BLOCK"]
-        per = cdiv(cdiv(src.tokens, plan_splits(B * H, src.tokens, device, _resident(launch, device))), block) * block
+        n = plan_splits(B * H, src.tokens, device, _resident(q, launch, cols), block)
+        per = cdiv(cdiv(src.tokens, n), block) * block
         splits.append(cdiv(src.tokens, per))  # rounding up to whole tiles can leave the last splits empty: drop them
         spans.append(per)
     total = max(1, sum(splits))
@@ -786,7 +802,7 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
     out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
     final = torch.empty(B, Hq, dtype=torch.float32, device=device)
     _merge_kernel[(B * Hq,)](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=next_pow2(D), OUT=kind,
-                             num_warps=shape[1])
+                             CHUNK=MERGE_CHUNK, num_warps=shape[1])
     if mass is not None:
         weight = mass[1].float().contiguous()
         col0 = 0
@@ -831,18 +847,19 @@ def _partial_launch(q: torch.Tensor, src: PagedSource, scores: bool, shape: tupl
 _RESIDENT: dict = {}  # (device, compile-time constants) -> programs per SM of that variant
 
 
-def _resident(launch: tuple[tuple, dict], device: torch.device) -> int:
+def _resident(q: torch.Tensor, launch: tuple[tuple, dict], cols: int) -> int:
     """Programs per SM of the variant a launch compiles to; compiled ahead of its first launch
-    (``warmup``) so that even the first call splits as every later one does."""
+    (``warmup``, with the launch's own queries and columns; the split geometry is typical) so
+    that even the first call splits as every later one does."""
     args, consts = launch
-    if device.type != "cuda":
+    if q.device.type != "cuda":
         return PROGRAMS_PER_SM
-    key = (device.index, *sorted(consts.items()))
+    key = (q.device.index, q.dtype, *sorted(consts.items()))
     if key not in _RESIDENT:
-        dummy = torch.empty(1, device=device)  # outputs; the split geometry below is typical, not exact
-        kernel = _paged_partial_kernel.warmup(dummy, dummy, dummy, dummy, *args, consts["BLOCK"], 0, 2, 0, 2, 1.0,
+        out = torch.empty(1, device=q.device)  # the fp32 outputs
+        kernel = _paged_partial_kernel.warmup(q, out, out, out, *args, consts["BLOCK"], 0, 2, 0, cols, 1.0,
                                               grid=(1, 1), **consts)
-        _RESIDENT[key] = resident_programs(kernel, device)
+        _RESIDENT[key] = resident_programs(kernel, q.device)
     return _RESIDENT[key]
 
 
