@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_sass import compile_for_hopper  # noqa: E402
 
+from kvcompose.ops import attention_launch as launch_plan  # noqa: E402
 from kvcompose.ops import paged_attention as pa  # noqa: E402
 
 # (key format, value format, codes dtype, scale dtype, bits)
@@ -21,7 +22,7 @@ PAIRS = [("dense", "dense", "bf16", "fp32", 0), ("fp8", "fp8", "u8", "fp32", 0),
          ("ternary", "ternary", "u8", "u8", 0), ("int", "int", "u8", "fp16", 4), ("int_channel", "int", "u8", "fp16", 2)]
 
 
-def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, block=pa.FEW_ROWS_SHAPE[0]):
+def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, block=launch_plan.FEW_ROWS_SHAPE[0]):
     ptr = {"q": "*bf16", "out": "*fp32", "lse": "*fp32", "score": "*fp32", "table": "*i32", "valid": "*u8"}
     for role in ("k", "v"):
         ptr.update({f"{role}c": f"*{codes}", f"{role}s": f"*{scale}", f"{role}m": f"*{scale}", f"{role}hs": "*fp32"})
@@ -41,15 +42,15 @@ def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, blo
 def main() -> int:
     count = 0
     for kfmt, vfmt, codes, scale, bits in PAIRS:
-        # both launch shapes (pa.launch_shape), each at one of the (group, head dim) cases
-        for (group, head_dim), (block, warps) in zip(((1, 64), (8, 128)), (pa.FEW_ROWS_SHAPE, pa.MANY_ROWS_SHAPE)):
+        # both launch shapes (attention_launch.launch_shape), each at one of the (group, head dim) cases
+        for (group, head_dim), (block, warps) in zip(((1, 64), (8, 128)), (launch_plan.FEW_ROWS_SHAPE, launch_plan.MANY_ROWS_SHAPE)):
             sig, consts = partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, kfmt == "dense", block)
             kernel = compile_for_hopper(pa._paged_partial_kernel, sig, consts, warps)
             print(f"partial {kfmt}/{vfmt} G={group} D={head_dim} tile {block} x {warps} warps: "
                   f"{len(kernel.asm['cubin'])} bytes of cubin", flush=True)
             count += 1
     sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32", "S": "i32"}
-    for _, warps in (pa.FEW_ROWS_SHAPE, pa.MANY_ROWS_SHAPE):  # the merge runs on the partial kernel's warps
+    for _, warps in (launch_plan.FEW_ROWS_SHAPE, launch_plan.MANY_ROWS_SHAPE):  # the merge runs on the partial kernel's warps
         kernel = compile_for_hopper(pa._merge_kernel, sig, dict(D=128, SP=128, DP=128, OUT=1, CHUNK=pa.MERGE_CHUNK),
                                     warps)
         print(f"merge, {warps} warps: {len(kernel.asm['cubin'])} bytes of cubin")

@@ -28,11 +28,11 @@ import torch.nn.functional as F
 
 import common
 from kvcompose import registry
+from kvcompose.ops.attention_launch import launch_shape
 from kvcompose.ops.paged_attention import (
     KVOperand,
     PagedSource,
     bytes_read,
-    launch_shape,
     paged_decode_attention,
     paged_decode_attention_torch,
 )

@@ -1,6 +1,7 @@
 """Launch-shape sweep of the paged attention kernel (tokens per tile, warps, stages, registers).
 
-Sets the module constants of :mod:`kvcompose.ops.paged_attention` and times a few formats
+Sets the module constants of :mod:`kvcompose.ops.paged_attention` and
+:mod:`kvcompose.ops.attention_launch` and times a few formats
 and shapes of :mod:`bench_attention_gpu`; prints one line per variant with the programs per
 SM that each variant's compiled kernel allows (the split plan follows it). Used to pick the
 defaults; results go to stdout only.
@@ -13,6 +14,7 @@ import sys
 import torch
 
 import bench_attention_gpu as bench
+from kvcompose.ops import attention_launch as launch_plan
 from kvcompose.ops import paged_attention as pa
 
 
@@ -25,7 +27,7 @@ def main() -> int:
     variants = [(64, 2, 3, None), (32, 2, 3, None), (64, 4, 3, None), (128, 4, 3, None), (64, 2, 4, None),
                 (64, 2, 2, None), (32, 1, 3, None), (64, 2, 3, 128)]
     for block, warps, stages, regs in variants:
-        pa.FEW_ROWS_SHAPE = pa.MANY_ROWS_SHAPE = (block, warps)
+        launch_plan.FEW_ROWS_SHAPE = launch_plan.MANY_ROWS_SHAPE = (block, warps)
         pa.STAGES, pa.MAX_REGISTERS = stages, regs
         cells = []
         for (f, b, l), sources in data.items():

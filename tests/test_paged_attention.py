@@ -6,11 +6,12 @@ import torch.nn.functional as F
 
 from conftest import greedy, left_padded, tiny_model
 from kvcompose import Policy, registry
+from kvcompose.ops import attention_launch
+from kvcompose.ops.attention_launch import fewest_waves
 from kvcompose.ops.paged_attention import (
     EXACT_FORMATS,
     KVOperand,
     PagedSource,
-    fewest_waves,
     paged_decode_attention,
     paged_decode_attention_torch,
 )
@@ -110,10 +111,9 @@ def test_mixed_formats_holes_and_buffer_in_one_call():
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4", "int_channel"])
 def test_many_rows_launch_shape_matches_reference(fmt, monkeypatch):
     """Past MANY_ROWS programs the kernel runs 32-token tiles on one warp (launch_shape): same attention."""
-    from kvcompose.ops import paged_attention as pa
-
-    monkeypatch.setattr(pa, "MANY_ROWS", 1)
-    assert pa.launch_shape(4) == pa.MANY_ROWS_SHAPE != pa.FEW_ROWS_SHAPE
+    monkeypatch.setattr(attention_launch, "MANY_ROWS", 1)
+    launch = attention_launch
+    assert launch.launch_shape(4) == launch.MANY_ROWS_SHAPE != launch.FEW_ROWS_SHAPE
     lengths = [50, 3, 90]
     sources = [make_source(fmt, lengths, 2, 64, holes=True, seed=5), make_source("dense", [5, 0, 15], 2, 64, bs=15)]
     query = torch.randn(3, 8, 1, 64).to(torch.bfloat16)
@@ -286,7 +286,7 @@ def test_cuda_split_plan_reads_the_compiled_kernel():
 
     src = make_source("nvfp4", [4096] * 2, 8, 128, device="cuda")
     query = torch.zeros(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    for shape in (pa.FEW_ROWS_SHAPE, pa.MANY_ROWS_SHAPE):
+    for shape in (attention_launch.FEW_ROWS_SHAPE, attention_launch.MANY_ROWS_SHAPE):
         launch = pa._partial_launch(query, src, False, shape)
         resident = pa._resident(query, launch, src.tokens)
         assert 1 <= resident <= 32 and resident == pa._resident(query, launch, src.tokens)

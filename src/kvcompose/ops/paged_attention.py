@@ -34,11 +34,11 @@ with the validity mask.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from .attention_launch import PROGRAMS_PER_SM, launch_shape, plan_splits, resident_programs
 from .quant_common import (
     HAS_TRITON,
     OUT_KINDS,
@@ -71,19 +71,8 @@ FORMATS = {"dense": 0, "fp8": 1, "nvfp4": 2, "ternary": 3, "int": 4, "int_channe
 #: value to the model dtype instead; the kernel's products are the exact ones.
 EXACT_FORMATS = ("fp8", "nvfp4", "ternary")
 _PER_BYTE = {"dense": 1, "fp8": 1, "nvfp4": 2, "ternary": 4}
-# Launch shape of the partial kernel: (tokens per tile, warps), by the number of (row, KV head)
-# programs per split. Swept on an H100 at 8 KV heads x 128 (benchmarks/sweep_attention_gpu.py):
-# with many programs, one warp on 32-token tiles keeps 9-12 programs resident per SM instead of 3-5
-# and ran 5-40% faster at 16 x 8K, 64 x 4K and 256 x 1K in every format; with few (8 at 1 x 32K),
-# split-KV cuts each row into up to 128 short splits and two warps on 64-token tiles ran 1.1-1.7x
-# faster. MANY_ROWS sits between the two measured counts (8 and 128).
-FEW_ROWS_SHAPE = (64, 2)
-MANY_ROWS_SHAPE = (32, 1)
-MANY_ROWS = 64
 MASS_BLOCK = 128  # tokens per program of the attention-mass kernel
 MERGE_CHUNK = 16  # partial results the merge combines per step
-TOKENS_PER_SPLIT_MIN = 256  # a split never holds fewer tokens than this (unless the row is shorter)
-PROGRAMS_PER_SM = 4  # resident programs assumed where the compiled kernel does not say
 WARPS = 2  # of the attention-mass kernel (the merge takes the partial kernel's)
 STAGES = 3  # software-pipelining depth of the partial kernel's loads (Triton's default)
 MAX_REGISTERS = None  # registers per thread of the partial kernel (None: the compiler's choice)
@@ -635,55 +624,6 @@ def _mass_kernel(logit_ptr, lse_ptr, table_ptr, valid_ptr, mass_ptr, weight_ptr,
 # Launchers
 
 
-def plan_splits(rows: int, tokens: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM,
-                block: int = FEW_ROWS_SHAPE[0]) -> int:
-    """Splits per row for ``rows`` (row, KV head) programs over ``tokens`` columns, tiles of
-    ``block`` tokens, ``per_sm`` programs resident per SM (see :func:`fewest_waves`); each
-    split holds at least ``TOKENS_PER_SPLIT_MIN`` tokens."""
-    if tokens == 0:
-        return 0
-    most = cdiv(tokens, TOKENS_PER_SPLIT_MIN)
-    if device.type != "cuda":
-        return min(2, most)  # the interpreter: exercise the merge without slowing tests down
-    slots = max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
-    return fewest_waves(max(rows, 1), tokens, slots, most, block)
-
-
-WAVE_TOLERANCE = 1.05  # a plan this close to the cheapest counts as cheapest (fewer splits win)
-
-
-@functools.lru_cache(maxsize=4096)
-def fewest_waves(rows: int, tokens: int, slots: int, most: int, block: int) -> int:
-    """The split count in ``1..most`` for ``rows`` programs per split with ``slots`` resident at once.
-
-    Programs of one launch are latency-bound and take about the same time, so a launch costs
-    its waves (``ceil(programs / slots)``) times the tiles of one split. Among the plans within
-    ``WAVE_TOLERANCE`` of the cheapest, the fewest splits (fewer partial results to merge, no
-    many-wave plan for a rounding gain). A 1.2-wave grid costs two waves: rounding the split
-    count up to "fill the GPU" made 16 x 8K rows slower than 64 x 4K ones."""
-    cost = {s: cdiv(rows * s, slots) * cdiv(cdiv(tokens, s), block) for s in range(1, most + 1)}
-    best = min(cost.values())
-    return min(s for s, c in cost.items() if c <= best * WAVE_TOLERANCE)
-
-
-def resident_programs(kernel, device: torch.device) -> int:
-    """Programs of a compiled kernel that one SM holds at once (registers, shared memory and
-    threads permitting); ``PROGRAMS_PER_SM`` where the compiled kernel does not say."""
-    init = getattr(kernel, "_init_handles", None)
-    if init is not None:
-        init()  # loads the binary, which sets n_regs
-    regs, warps = getattr(kernel, "n_regs", None), getattr(getattr(kernel, "metadata", None), "num_warps", None)
-    if not regs or not warps:
-        return PROGRAMS_PER_SM
-    props = torch.cuda.get_device_properties(device)
-    per_warp = cdiv(regs * 32, 256) * 256  # registers are handed out per warp in units of 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
-    shared = kernel.metadata.shared + 1024  # the runtime reserves 1 KiB per block
-    by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // shared
-    by_threads = props.max_threads_per_multi_processor // (32 * warps)
-    return max(1, min(by_regs, by_shared, by_threads, 32))
-
-
 def _operand_args(op: KVOperand, device) -> tuple:
     dummy = torch.zeros(1, device=device)
     return (op.codes, op.scale if op.scale is not None else dummy, op.minimum if op.minimum is not None else dummy,
@@ -817,11 +757,6 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
     return out, torch.exp2(logits - final[..., None]).nan_to_num(0.0)  # -inf - -inf (empty row) -> 0
 
 
-def launch_shape(rows: int) -> tuple[int, int]:
-    """(tokens per tile, warps) of the partial kernel for ``rows`` (row, KV head) programs per split."""
-    return MANY_ROWS_SHAPE if rows >= MANY_ROWS else FEW_ROWS_SHAPE
-
-
 def _partial_launch(q: torch.Tensor, src: PagedSource, scores: bool, shape: tuple[int, int]) -> tuple[tuple, dict]:
     """The source's arguments of :func:`_paged_partial_kernel` (after the outputs, before the
     split geometry) and its compile-time constants, at launch ``shape`` (:func:`launch_shape`)."""
@@ -883,5 +818,5 @@ def bytes_read(sources: list[PagedSource], query: torch.Tensor) -> int:
 __all__ = [
     "EXACT_FORMATS", "FORMATS", "KVOperand", "PagedSource", "add_mass_torch", "bytes_read", "decode_operand_torch",
     "dense_source_view",
-    "fewest_waves", "launch_shape", "paged_decode_attention", "paged_decode_attention_torch", "plan_splits", "resident_programs",
+    "paged_decode_attention", "paged_decode_attention_torch",
 ]
