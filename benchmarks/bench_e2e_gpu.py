@@ -35,9 +35,7 @@ share of eager steps (evictions, classifier refreshes) and their share of decode
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import math
 import os
 import traceback
 from pathlib import Path
@@ -47,6 +45,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch  # noqa: E402
 
 from common import environment, format_table, llama_model, write_json  # noqa: E402
+
+from kvcompose.speed import fit_policy, fit_transformers_static  # noqa: E402
 
 POLICIES = ["fullkv", "streamingllm", "snapkv", "h2o", "rkv", "rpc", "fp8", "nvfp4", "kivi2", "thinkv", "thinkv-tbq"]
 SCENARIOS = {
@@ -97,48 +97,6 @@ def kvcompose_run(model, policy, batch: int, prompt: int, new: int, reserve: int
     from kvcompose.speed import time_policy
 
     return time_policy(model, policy, *prompts(model, batch, prompt), new, reserve)
-
-
-# ------------------------------------------------------------------ scenario c: fixed memory
-def per_row_bytes(run_at) -> tuple[float, float, float]:
-    """(fixed bytes, other bytes per row, KV bytes reserved per row) of peak memory, from two
-    short runs at batch 2 and 4."""
-    peaks, kv = {}, {}
-    for b in (2, 4):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        kv[b] = run_at(b)["kv_allocated_bytes"]
-        peaks[b] = torch.cuda.max_memory_allocated()
-    slope, kv_row = (peaks[4] - peaks[2]) / 2, (kv[4] - kv[2]) / 2
-    return peaks[2] - 2 * slope, slope - kv_row, kv_row
-
-
-def largest_batch(fixed: float, per_row: float, cap_bytes: float, limit: int = 1024) -> int:
-    return max(1, min(limit, math.floor((cap_bytes - fixed) / per_row)))
-
-
-def run_backing_off(run_at, batch: int, cap_gib: float, retries: int) -> dict:
-    """``run_at(batch)``, repeated at 90% of the batch while it runs out of GPU memory or its
-    peak passes ``cap_gib`` (``retries`` times at most, never below one row). The record lists
-    the batches that did not fit (``over_cap_at``); ``over_cap`` says whether its own peak is
-    over the cap (retries used up)."""
-    too_big = []
-    while True:
-        try:
-            row = run_at(batch)
-            if row["peak_gib"] <= cap_gib or len(too_big) == retries or batch == 1:
-                break
-            print(f"batch {batch} peaked at {row['peak_gib']:.1f} GiB, over the cap", flush=True)
-        except torch.OutOfMemoryError:
-            if len(too_big) == retries or batch == 1:
-                raise
-            traceback.print_exc(limit=1)
-            print(f"out of memory at batch {batch}", flush=True)
-        too_big.append(batch)
-        gc.collect()  # the failed run's cache and graphs refer to each other: free them before the retry
-        torch.cuda.empty_cache()
-        batch = max(1, math.floor(batch * 0.9))
-    return dict(row, over_cap=row["peak_gib"] > cap_gib, over_cap_at=too_big)
 
 
 TABLE = ["policy", "scenario", "batch", "new_tokens", "ms_per_step", "tok_per_s", "ratio_to_baseline", "peak_gib",
@@ -206,11 +164,8 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> l
     total_new = new
     rows = []
     if scenario == "c" and not args.smoke:
-        # The baseline recompiles per batch size, so its rows are counted, not measured: the
-        # static cache's bytes per row, the weights, and 2 GiB for activations and workspace.
-        kv_row = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 128 * 2 * (prompt + total_new)
-        batch = largest_batch(torch.cuda.memory_allocated() + 2 * 2**30, kv_row, args.memory_gib * 2**30)
-        base = baseline_run(model, batch, prompt, args.baseline_window or args.window, cache_len=prompt + total_new)
+        base = fit_transformers_static(model, prompt, total_new, args.memory_gib, args.baseline_window or args.window)
+        batch = base["batch"]
     else:
         batch = shape["batch"]
         steps = new if scenario == "a" or args.smoke else min(new, args.baseline_window or args.window)
@@ -222,10 +177,7 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> l
         policy = make_policy(name, budget, args.smoke)
         try:
             if scenario == "c" and not args.smoke:
-                fixed, other, kv_row = per_row_bytes(lambda b: kvcompose_run(model, policy, b, prompt, 2, total_new))
-                b = largest_batch(fixed, other + kv_row, args.memory_gib * 2**30)
-                row = run_backing_off(lambda n: kvcompose_run(model, policy, n, prompt, args.window, total_new), b,
-                                      args.memory_gib, args.oom_retries)
+                row = fit_policy(model, policy, prompt, total_new, args.memory_gib, args.window, args.oom_retries)
             else:
                 row = kvcompose_run(model, policy, batch, prompt, new)
         except Exception as exc:  # record what failed instead of losing the other runs

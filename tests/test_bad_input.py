@@ -593,6 +593,8 @@ CLI_CASES = [
      False),
     ("bench-budget-zero", ["bench", "--presets", "rkv", "--budget", "0"],
      ERR + "Policy.budget must be an integer >= 1, got 0", False),
+    ("bench-memory-cap-without-cuda", ["bench", "--presets", "rkv", "--memory-gib", "70"],
+     ERR + "--memory-gib 70 measures GPU memory and needs a CUDA device; without one, time a fixed --batch", False),
     ("set-syntax", ["compare", "--set", "foo"],
      ERR + "--set expects PRESET.FIELD[.SUBFIELD]=VALUE (e.g. rpc.trigger.period=64), got 'foo'", False),
     ("set-unknown-field", ["compare", "--presets", "rkv", "--set", "rkv.buget=3"],
@@ -623,7 +625,11 @@ ARGPARSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv, message, loads", [pytest.param(*c[1:], id=c[0]) for c in CLI_CASES])
+NEEDS_NO_CUDA = {"bench-memory-cap-without-cuda": pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")}
+
+
+@pytest.mark.parametrize("argv, message, loads", [pytest.param(*c[1:], id=c[0], marks=NEEDS_NO_CUDA.get(c[0], ()))
+                                                  for c in CLI_CASES])
 def test_cli_prints_one_line_and_exits_2(argv, message, loads, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if not loads:

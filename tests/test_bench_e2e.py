@@ -1,4 +1,5 @@
-"""The end-to-end benchmark's bookkeeping (scenario c's batch search, merging records), on CPU."""
+"""The end-to-end benchmark's bookkeeping (merging records into its JSON), on CPU. Scenario c's
+batch search is :mod:`kvcompose.speed`'s (tests/test_static_decode.py)."""
 
 import json
 import os
@@ -6,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -19,30 +19,6 @@ def bench(monkeypatch):
     import bench_e2e_gpu
 
     return bench_e2e_gpu
-
-
-def test_scenario_c_backs_off_from_out_of_memory_and_the_cap(bench):
-    tried = []
-
-    def run_at(batch):
-        tried.append(batch)
-        if batch > 150:
-            raise torch.OutOfMemoryError("no room")
-        return {"batch": batch, "peak_gib": batch / 2}  # over a 70 GiB cap above 140 rows
-
-    row = bench.run_backing_off(run_at, 200, cap_gib=70.0, retries=4)
-    assert tried == [200, 180, 162, 145, 130] and row["batch"] == 130
-    assert row["over_cap_at"] == [200, 180, 162, 145] and not row["over_cap"]
-    with pytest.raises(torch.OutOfMemoryError):
-        bench.run_backing_off(run_at, 200, cap_gib=70.0, retries=2)
-    assert bench.run_backing_off(run_at, 100, cap_gib=70.0, retries=2) == {
-        "batch": 100, "peak_gib": 50.0, "over_cap": False, "over_cap_at": []}
-    tried.clear()
-    row = bench.run_backing_off(run_at, 145, cap_gib=70.0, retries=0)  # no retry left: kept, and flagged
-    assert tried == [145] and row["over_cap"] and row["over_cap_at"] == []
-    tried.clear()
-    row = bench.run_backing_off(lambda b: tried.append(b) or {"batch": b, "peak_gib": 99.0}, 2, 70.0, 5)
-    assert tried == [2, 1] and row["over_cap"]  # never below one row
 
 
 def test_records_replace_their_policy_and_scenario_and_keep_referenced_baselines(bench, tmp_path):

@@ -216,6 +216,51 @@ def test_speed_measures_both_sides_on_cpu(llama):
     assert llama.config._attn_implementation == "kvcompose"  # both restore the attention implementation
 
 
+def test_fixed_memory_runs_back_off_from_out_of_memory_and_the_cap():
+    from kvcompose.speed import largest_batch, run_backing_off
+
+    assert largest_batch(10, 3, 100) == 30 and largest_batch(200, 3, 100) == 1 and largest_batch(0, 1, 1e9) == 1024
+    assert largest_batch(10, 0, 100, limit=64) == 64
+    tried = []
+
+    def run_at(batch):
+        tried.append(batch)
+        if batch > 150:
+            raise torch.OutOfMemoryError("no room")
+        return {"batch": batch, "peak_gib": batch / 2}  # over a 70 GiB cap above 140 rows
+
+    row = run_backing_off(run_at, 200, cap_gib=70.0, retries=4)
+    assert tried == [200, 180, 162, 145, 130] and row["batch"] == 130
+    assert row["over_cap_at"] == [200, 180, 162, 145] and not row["over_cap"]
+    with pytest.raises(torch.OutOfMemoryError):
+        run_backing_off(run_at, 200, cap_gib=70.0, retries=2)
+    assert run_backing_off(run_at, 100, cap_gib=70.0, retries=2) == {
+        "batch": 100, "peak_gib": 50.0, "over_cap": False, "over_cap_at": []}
+    tried.clear()
+    row = run_backing_off(run_at, 145, cap_gib=70.0, retries=0)  # no retry left: kept, and flagged
+    assert tried == [145] and row["over_cap"] and row["over_cap_at"] == []
+    tried.clear()
+    row = run_backing_off(lambda b: tried.append(b) or {"batch": b, "peak_gib": 99.0}, 2, 70.0, 5)
+    assert tried == [2, 1] and row["over_cap"]  # never below one row
+
+
+@pytest.mark.gpu
+def test_cuda_fixed_memory_finds_a_batch_under_the_cap():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcompose import speed
+
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="kvcompose")
+    model = LlamaForCausalLM(config).cuda().to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    cap = (torch.cuda.memory_allocated() + 64 * 2**20) / 2**30  # 64 MiB beyond the weights
+    row = speed.fit_policy(model, Policy.from_preset("rkv", budget=64), 32, 256, cap, window=40)
+    assert row["batch"] >= 1 and row["reserved_new_tokens"] == 256 and (row["peak_gib"] <= cap or row["over_cap"])
+    base = speed.fit_transformers_static(model, 32, 256, cap + 2, window=8)
+    assert base["batch"] >= 1 and base["cache_len"] == 288
+
+
 def test_warm_up_policy_reaches_every_step_kind_quickly():
     from kvcompose.speed import warm_up_policy
 

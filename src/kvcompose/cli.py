@@ -184,6 +184,10 @@ def _cmd_bench(args) -> int:
             raise ValueError(f"preset {name!r} reads the generated text and decodes eagerly; kvcompose bench times "
                              f"the static-shape path (see kvcompose generate --preset {name})")
     cuda = torch.cuda.is_available()
+    capped = args.memory_gib is not None
+    if capped and not cuda:
+        raise ValueError(f"--memory-gib {args.memory_gib:g} measures GPU memory and needs a CUDA device; without one, "
+                         "time a fixed --batch")
     if not cuda:
         print("kvcompose: no CUDA device: decoding runs without CUDA graphs and the baseline is not compiled; "
               "these numbers say nothing about GPU serving", file=sys.stderr)
@@ -191,22 +195,33 @@ def _cmd_bench(args) -> int:
     model, _ = models.load(args.model, dtype=torch.bfloat16 if cuda else torch.float32,
                            device="cuda" if cuda else None)
     model.generation_config.eos_token_id = None
-    ids, mask = speed.random_prompts(model.config.get_text_config().vocab_size, args.batch, args.prompt,
-                                     model.device)
-    base = speed.time_transformers_static(model, ids, mask, args.new_tokens)
+    if capped:  # each side at the largest batch under the cap, timed over --window steps
+        window = min(args.window, args.new_tokens)
+        base = speed.fit_transformers_static(model, args.prompt, args.new_tokens, args.memory_gib, window)
+
+        def run(policy):
+            return speed.fit_policy(model, policy, args.prompt, args.new_tokens, args.memory_gib, window)
+    else:
+        ids, mask = speed.random_prompts(model.config.get_text_config().vocab_size, args.batch, args.prompt,
+                                         model.device)
+        base = speed.time_transformers_static(model, ids, mask, args.new_tokens)
+
+        def run(policy):
+            return speed.time_policy(model, policy, ids, mask, args.new_tokens)
     rows = [dict(base, preset="transformers-static", ratio_to_baseline=1.0)]
     for name, policy in zip(presets, policies):
-        row = speed.time_policy(model, policy, ids, mask, args.new_tokens)
+        row = run(policy)
         rows.append(dict(row, preset=name, ratio_to_baseline=row["tok_per_s"] / base["tok_per_s"]))
+    fields = (["batch"] if capped else []) + BENCH_FIELDS
     width = max(len(r["preset"]) for r in rows)
-    print(f"{'preset':<{width}}  " + "  ".join(f"{f:>18}" for f in BENCH_FIELDS))
+    print(f"{'preset':<{width}}  " + "  ".join(f"{f:>18}" for f in fields))
     for r in rows:
-        cells = ["" if r.get(f) is None else f"{r[f]:.4g}" for f in BENCH_FIELDS]
+        cells = ["" if r.get(f) is None else f"{r[f]:.4g}" for f in fields]
         print(f"{r['preset']:<{width}}  " + "  ".join(f"{c:>18}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "runs": rows}, f,
-                      indent=2)
+            json.dump({"batch": None if capped else args.batch, "memory_gib": args.memory_gib, "prompt": args.prompt,
+                       "new_tokens": args.new_tokens, "runs": rows}, f, indent=2)
     return 0
 
 
@@ -302,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=_positive_int, default=16)
     b.add_argument("--prompt", type=_positive_int, default=512, help="prompt tokens per row")
     b.add_argument("--new-tokens", type=_positive_int, default=1024)
+    b.add_argument("--memory-gib", type=_positive_float, default=None,
+                   help="fixed memory (CUDA): run each side at the largest batch whose peak GPU memory, weights "
+                        "included, stays under this many GiB for prompt + new tokens (ignores --batch)")
+    b.add_argument("--window", type=_positive_int, default=512,
+                   help="with --memory-gib: decode steps timed (the capacity is still reserved for --new-tokens)")
     b.add_argument("--json", default=None, help="also write every run's fields to this JSON file")
     b.set_defaults(func=_cmd_bench)
     return parser

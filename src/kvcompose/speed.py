@@ -5,11 +5,17 @@ same prompts greedily with EOS disabled; a run's decode time is its wall time mi
 of a prefill-only run, over the decode steps. kvcompose decodes through the static-shape
 path (:func:`kvcompose.hf.static.fast_generate`, CUDA graphs on a GPU) after a warm-up
 that compiles every kernel the policy uses, eviction and refresh steps included.
+
+At a fixed memory (:func:`fit_policy`, :func:`fit_transformers_static`) each side runs at
+the largest batch whose peak GPU memory, weights included, stays under a cap.
 """
 
 from __future__ import annotations
 
+import gc
+import math
 import time
+import traceback
 
 import torch
 
@@ -139,6 +145,82 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
             host_share=summary["host_ms_per_replay"] / max(step_ms, 1e-9),
         )
     return out
+
+
+# ------------------------------------------------------------------ fixed memory
+def largest_batch(fixed: float, per_row: float, cap_bytes: float, limit: int = 1024) -> int:
+    """Rows that fit under ``cap_bytes`` given ``fixed`` bytes and ``per_row`` bytes each (1 to
+    ``limit``; ``limit`` when the rows measured no cost, as a tiny model's may)."""
+    if per_row <= 0:
+        return limit
+    return max(1, min(limit, math.floor((cap_bytes - fixed) / per_row)))
+
+
+def run_backing_off(run_at, batch: int, cap_gib: float, retries: int) -> dict:
+    """``run_at(batch)``, repeated at 90% of the batch while it runs out of GPU memory or its
+    peak passes ``cap_gib`` (``retries`` times at most, never below one row). The record lists
+    the batches that did not fit (``over_cap_at``); ``over_cap`` says whether its own peak is
+    over the cap (retries used up)."""
+    too_big = []
+    while True:
+        try:
+            row = run_at(batch)
+            if row["peak_gib"] <= cap_gib or len(too_big) == retries or batch == 1:
+                break
+            print(f"batch {batch} peaked at {row['peak_gib']:.1f} GiB, over the cap", flush=True)
+        except torch.OutOfMemoryError:
+            if len(too_big) == retries or batch == 1:
+                raise
+            traceback.print_exc(limit=1)
+            print(f"out of memory at batch {batch}", flush=True)
+        too_big.append(batch)
+        gc.collect()  # the failed run's cache and graphs refer to each other: free them before the retry
+        torch.cuda.empty_cache()
+        batch = max(1, math.floor(batch * 0.9))
+    return dict(row, over_cap=row["peak_gib"] > cap_gib, over_cap_at=too_big)
+
+
+def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: float, window: int,
+               retries: int = 4) -> dict:
+    """``policy`` at the largest batch whose peak GPU memory (weights included) stays under
+    ``cap_gib`` for ``prompt`` + ``new_tokens`` tokens, timed over ``window`` decode steps.
+
+    The stores reserve their capacity for ``new_tokens`` at the prefill, so two short runs at
+    batch 2 and 4 give the bytes per row; they do not see everything (an eviction step's
+    scratch, a large prefill's activations), so the run backs off (:func:`run_backing_off`)."""
+    vocab = model.config.get_text_config().vocab_size
+
+    def run(batch: int, steps: int) -> dict:
+        ids, mask = random_prompts(vocab, batch, prompt, model.device)
+        return time_policy(model, policy, ids, mask, steps, reserve_new_tokens=new_tokens)
+
+    peaks, kv = {}, {}
+    for b in (2, 4):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        kv[b] = run(b, 2)["kv_allocated_bytes"]
+        peaks[b] = torch.cuda.max_memory_allocated()
+    per_row = (peaks[4] - peaks[2]) / 2
+    batch = largest_batch(peaks[2] - 2 * per_row, per_row, cap_gib * 2**30)
+    row = run_backing_off(lambda b: run(b, window), batch, cap_gib, retries)
+    return dict(row, memory_cap_gib=cap_gib, reserved_new_tokens=new_tokens,
+                kv_bytes_per_row_reserved=(kv[4] - kv[2]) / 2)
+
+
+def fit_transformers_static(model, prompt: int, new_tokens: int, cap_gib: float, window: int,
+                            headroom_gib: float = 2.0) -> dict:
+    """transformers' compiled static cache at the largest batch under ``cap_gib``, timed over
+    ``window`` steps of a cache sized for ``prompt`` + ``new_tokens``. It recompiles per batch
+    size, so its batch is counted, not searched: the cache's bytes per row, the weights and
+    other memory in use now, and ``headroom_gib`` for activations and workspace."""
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    row_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * model.dtype.itemsize
+    batch = largest_batch(torch.cuda.memory_allocated() + headroom_gib * 2**30, row_bytes * (prompt + new_tokens),
+                          cap_gib * 2**30)
+    ids, mask = random_prompts(text.vocab_size, batch, prompt, model.device)
+    return dict(time_transformers_static(model, ids, mask, window, cache_len=prompt + new_tokens),
+                memory_cap_gib=cap_gib)
 
 
 def random_prompts(vocab_size: int, batch: int, prompt: int, device) -> tuple[torch.Tensor, torch.Tensor]:
