@@ -254,11 +254,13 @@ def test_cuda_fixed_memory_finds_a_batch_under_the_cap():
                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="kvcompose")
     model = LlamaForCausalLM(config).cuda().to(torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
-    cap = (torch.cuda.memory_allocated() + 64 * 2**20) / 2**30  # 64 MiB beyond the weights
+    cap = (torch.cuda.memory_allocated() + 512 * 2**20) / 2**30  # 512 MiB beyond the weights
     row = speed.fit_policy(model, Policy.from_preset("rkv", budget=64), 32, 256, cap, window=40)
-    assert row["batch"] >= 1 and row["reserved_new_tokens"] == 256 and (row["peak_gib"] <= cap or row["over_cap"])
-    base = speed.fit_transformers_static(model, 32, 256, cap + 2, window=8)
-    assert base["batch"] >= 1 and base["cache_len"] == 288
+    assert row["batch"] > 4 and row["reserved_new_tokens"] == 256 and not row["over_cap"]
+    base = speed.fit_transformers_static(model, 32, 256, cap, window=8, headroom_gib=0.1)
+    assert base["batch"] > 4 and base["cache_len"] == 288 and not base["over_cap"]
+    with pytest.raises(ValueError, match="window=300"):
+        speed.fit_policy(model, Policy.from_preset("rkv", budget=64), 32, 256, cap, window=300)
 
 
 def test_warm_up_policy_reaches_every_step_kind_quickly():

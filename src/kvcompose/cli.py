@@ -171,6 +171,12 @@ def _cmd_calibrate(args) -> int:
 BENCH_FIELDS = ["ms_per_step", "tok_per_s", "ratio_to_baseline", "peak_gib", "eviction_call_rate", "eviction_share"]
 
 
+def _bench_cell(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else ""
+    return "" if value is None else f"{value:.4g}"
+
+
 def _cmd_bench(args) -> int:
     import torch
 
@@ -210,18 +216,26 @@ def _cmd_bench(args) -> int:
             return speed.time_policy(model, policy, ids, mask, args.new_tokens)
     rows = [dict(base, preset="transformers-static", ratio_to_baseline=1.0)]
     for name, policy in zip(presets, policies):
-        row = run(policy)
+        try:
+            row = run(policy)
+        except torch.OutOfMemoryError as exc:  # even after backing off: report it, keep the other presets
+            print(f"kvcompose: {name}: out of GPU memory ({str(exc).splitlines()[0]})", file=sys.stderr)
+            rows.append({"preset": name, "error": "out of memory"})
+            continue
         rows.append(dict(row, preset=name, ratio_to_baseline=row["tok_per_s"] / base["tok_per_s"]))
-    fields = (["batch"] if capped else []) + BENCH_FIELDS
+    fields = (["batch", "over_cap"] if capped else []) + BENCH_FIELDS
     width = max(len(r["preset"]) for r in rows)
     print(f"{'preset':<{width}}  " + "  ".join(f"{f:>18}" for f in fields))
     for r in rows:
-        cells = ["" if r.get(f) is None else f"{r[f]:.4g}" for f in fields]
+        cells = [_bench_cell(r.get(f)) for f in fields]
+        if "error" in r:
+            cells[0] = r["error"]
         print(f"{r['preset']:<{width}}  " + "  ".join(f"{c:>18}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": None if capped else args.batch, "memory_gib": args.memory_gib, "prompt": args.prompt,
-                       "new_tokens": args.new_tokens, "runs": rows}, f, indent=2)
+                       "new_tokens": args.new_tokens, "window": window if capped else None, "runs": rows}, f,
+                      indent=2)
     return 0
 
 

@@ -151,6 +151,8 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
 def largest_batch(fixed: float, per_row: float, cap_bytes: float, limit: int = 1024) -> int:
     """Rows that fit under ``cap_bytes`` given ``fixed`` bytes and ``per_row`` bytes each (1 to
     ``limit``; ``limit`` when the rows measured no cost, as a tiny model's may)."""
+    if cap_bytes <= fixed:
+        return 1
     if per_row <= 0:
         return limit
     return max(1, min(limit, math.floor((cap_bytes - fixed) / per_row)))
@@ -188,6 +190,7 @@ def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: flo
     The stores reserve their capacity for ``new_tokens`` at the prefill, so two short runs at
     batch 2 and 4 give the bytes per row; they do not see everything (an eviction step's
     scratch, a large prefill's activations), so the run backs off (:func:`run_backing_off`)."""
+    _check_fit(window, new_tokens)
     vocab = model.config.get_text_config().vocab_size
 
     def run(batch: int, steps: int) -> dict:
@@ -196,10 +199,10 @@ def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: flo
 
     peaks, kv = {}, {}
     for b in (2, 4):
+        gc.collect()  # earlier runs' caches and decoders refer to each other: free them first
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
         kv[b] = run(b, 2)["kv_allocated_bytes"]
-        peaks[b] = torch.cuda.max_memory_allocated()
+        peaks[b] = torch.cuda.max_memory_allocated()  # time_policy resets it before its timed run
     per_row = (peaks[4] - peaks[2]) / 2
     batch = largest_batch(peaks[2] - 2 * per_row, per_row, cap_gib * 2**30)
     row = run_backing_off(lambda b: run(b, window), batch, cap_gib, retries)
@@ -208,19 +211,33 @@ def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: flo
 
 
 def fit_transformers_static(model, prompt: int, new_tokens: int, cap_gib: float, window: int,
-                            headroom_gib: float = 2.0) -> dict:
+                            headroom_gib: float = 2.0, retries: int = 2) -> dict:
     """transformers' compiled static cache at the largest batch under ``cap_gib``, timed over
     ``window`` steps of a cache sized for ``prompt`` + ``new_tokens``. It recompiles per batch
-    size, so its batch is counted, not searched: the cache's bytes per row, the weights and
-    other memory in use now, and ``headroom_gib`` for activations and workspace."""
+    size, so its batch is counted rather than probed: the cache's bytes per row plus the
+    prefill's MLP activations per row, over the weights and other memory in use now and
+    ``headroom_gib`` for workspace; a run over the cap backs off like :func:`fit_policy`'s."""
+    _check_fit(window, new_tokens)
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    row_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * model.dtype.itemsize
-    batch = largest_batch(torch.cuda.memory_allocated() + headroom_gib * 2**30, row_bytes * (prompt + new_tokens),
-                          cap_gib * 2**30)
-    ids, mask = random_prompts(text.vocab_size, batch, prompt, model.device)
-    return dict(time_transformers_static(model, ids, mask, window, cache_len=prompt + new_tokens),
-                memory_cap_gib=cap_gib)
+    size = model.dtype.itemsize
+    per_row = (2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * size * (prompt + new_tokens)
+               + 3 * prompt * getattr(text, "intermediate_size", 4 * text.hidden_size) * size)  # gate, up, product
+    batch = largest_batch(torch.cuda.memory_allocated() + headroom_gib * 2**30, per_row, cap_gib * 2**30)
+
+    def run(b: int) -> dict:
+        ids, mask = random_prompts(text.vocab_size, b, prompt, model.device)
+        return time_transformers_static(model, ids, mask, window, cache_len=prompt + new_tokens)
+
+    return dict(run_backing_off(run, batch, cap_gib, retries), memory_cap_gib=cap_gib)
+
+
+def _check_fit(window: int, new_tokens: int) -> None:
+    if not torch.cuda.is_available():
+        raise ValueError("a fixed-memory run measures GPU memory and needs a CUDA device")
+    if not 1 <= window <= new_tokens:
+        raise ValueError(f"window={window} decode steps are timed out of new_tokens={new_tokens}; give 1 <= window "
+                         "<= new_tokens")
 
 
 def random_prompts(vocab_size: int, batch: int, prompt: int, device) -> tuple[torch.Tensor, torch.Tensor]:
