@@ -12,12 +12,13 @@ Scenarios (``--scenarios``):
 - ``b``: long reasoning. B=16, prompt 512, 8,192 new tokens, budget 1,024.
 - ``c``: fixed memory. For prompt 512 + 8,192 new tokens, the largest batch whose peak GPU
   memory (weights included) stays under ``--memory-gib``, from the bytes each row reserves
-  (kvcompose: measured at two small batches, its capacity being reserved at the prefill;
-  the baseline: its static cache per row plus 2 GiB, since it recompiles per batch size),
+  (:func:`kvcompose.speed.fit_policy`: measured at two small batches, its capacity being
+  reserved at the prefill; :func:`kvcompose.speed.fit_transformers_static`: its static cache
+  and prefill activations per row plus 2 GiB, counted since it recompiles per batch size),
   then throughput at that batch over ``--window`` decode steps. A run that still runs out
-  of memory (the probes see neither the eviction graphs' scratch nor a large prefill's
-  activations) is repeated at 90% of the batch, up to ``--oom-retries`` times; the record
-  lists the batches that did not fit.
+  of memory or peaks over the cap (the probes see neither the eviction graphs' scratch nor
+  a large prefill's activations) is repeated at 90% of the batch, up to ``--oom-retries``
+  times; the record lists the batches that did not fit.
 
 The CUDA allocator runs with ``expandable_segments:True`` (unless ``PYTORCH_CUDA_ALLOC_CONF``
 says otherwise; the JSON records it): at the batch sizes of scenario c the default
@@ -93,10 +94,10 @@ def baseline_run(model, batch: int, prompt: int, new: int, cache_len: int | None
     return time_transformers_static(model, *prompts(model, batch, prompt), new, cache_len)
 
 
-def kvcompose_run(model, policy, batch: int, prompt: int, new: int, reserve: int | None = None) -> dict:
+def kvcompose_run(model, policy, batch: int, prompt: int, new: int) -> dict:
     from kvcompose.speed import time_policy
 
-    return time_policy(model, policy, *prompts(model, batch, prompt), new, reserve)
+    return time_policy(model, policy, *prompts(model, batch, prompt), new)
 
 
 TABLE = ["policy", "scenario", "batch", "new_tokens", "ms_per_step", "tok_per_s", "ratio_to_baseline", "peak_gib",
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-window", type=int, default=None,
                     help="decode steps timed for the baseline in b and c (default: --window; its step cost does "
                          "not depend on the step)")
-    ap.add_argument("--oom-retries", type=int, default=4, help="scenario c: smaller batches tried after an OOM")
+    ap.add_argument("--oom-retries", type=int, default=4, help="scenario c: smaller batches tried after an OOM or a peak over the cap")
     ap.add_argument("--run", default=None, help="label of this run, stored in each record (e.g. b7)")
     ap.add_argument("--out", default=None, help="JSON file; records are merged by (policy, scenario)")
     args = ap.parse_args(argv)

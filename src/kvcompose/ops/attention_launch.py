@@ -80,5 +80,6 @@ def resident_programs(kernel, device: torch.device) -> int:
     by_threads = props.max_threads_per_multi_processor // (32 * warps)
     return max(1, min(by_regs, by_shared, by_threads, 32))
 
+
 __all__ = ["FEW_ROWS_SHAPE", "MANY_ROWS", "MANY_ROWS_SHAPE", "fewest_waves", "launch_shape", "plan_splits",
            "resident_programs"]

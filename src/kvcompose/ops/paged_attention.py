@@ -789,7 +789,7 @@ def _resident(q: torch.Tensor, launch: tuple[tuple, dict], cols: int) -> int:
     args, consts = launch
     if q.device.type != "cuda":
         return PROGRAMS_PER_SM
-    key = (q.device.index, q.dtype, *sorted(consts.items()))
+    key = (q.device.index, q.dtype, *consts.values())  # _partial_launch builds consts in one fixed order
     if key not in _RESIDENT:
         out = torch.empty(1, device=q.device)  # the fp32 outputs
         kernel = _paged_partial_kernel.warmup(q, out, out, out, *args, consts["BLOCK"], 0, 2, 0, cols, 1.0,
