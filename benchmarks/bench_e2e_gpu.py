@@ -131,12 +131,17 @@ def main(argv=None) -> int:
         shape = dict(SMOKE) if args.smoke else dict(SCENARIOS[scenario])
         if args.new_tokens:
             shape["new"] = args.new_tokens
-        rows = run_scenario(model, scenario, shape, names, args)
+        rows = run_scenario(model, scenario, shape, names, args, lambda rows: save(records + rows, args))
         records += rows
         print(format_table(TABLE, [[_cell(r.get(c)) for c in TABLE] for r in rows]), flush=True)
+    return 0
+
+
+def save(records: list[dict], args) -> None:
+    """Merge what has run so far into ``--out`` (after every record: a run cut off by a time
+    limit keeps the records it finished)."""
     if args.out:
         merge_into(Path(args.out), records, args.run)
-    return 0
 
 
 def merge_into(path: Path, records: list[dict], run: str | None) -> None:
@@ -160,7 +165,7 @@ def merge_into(path: Path, records: list[dict], run: str | None) -> None:
                           records=merged))
 
 
-def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> list[dict]:
+def run_scenario(model, scenario: str, shape: dict, names: list[str], args, saved=lambda rows: None) -> list[dict]:
     prompt, new, budget = shape["prompt"], shape["new"], shape["budget"]
     total_new = new
     rows = []
@@ -189,6 +194,7 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args) -> l
             row["ratio_to_baseline"] = row["tok_per_s"] / base["tok_per_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+        saved(rows)
         torch.cuda.empty_cache()
     return rows
 
