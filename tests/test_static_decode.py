@@ -204,6 +204,29 @@ def test_graph_replay_gives_the_eager_static_tokens(preset):
     assert cache.static_decoder.replays > 0
 
 
+@pytest.mark.gpu
+def test_cuda_host_time_leaves_out_the_graph_capture(monkeypatch):
+    """The capture is one-time work: a slow one must not show in the host's time per step."""
+    import time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcompose.hf import static
+
+    config = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).cuda().eval()
+    model.set_attn_implementation("kvcompose")
+    capture = static.StaticDecoder._capture
+    monkeypatch.setattr(static.StaticDecoder, "_capture", lambda self: time.sleep(0.5) or capture(self))
+    _, ids, mask = left_padded([9, 14])
+    cache = Policy.from_preset("fullkv").make_cache(model)
+    fast_generate(model, cache, ids.cuda(), mask.cuda(), 12, profile=True)
+    summary = cache.static_decoder.summary()
+    assert summary["replays"] >= 8
+    assert summary["host_ms_per_replay"] < 50  # the capture's 500 ms over <= 10 replays would give >= 50
+
+
 def test_speed_measures_both_sides_on_cpu(llama):
     from kvcompose import speed
 

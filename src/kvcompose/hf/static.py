@@ -134,6 +134,7 @@ class StaticDecoder:
         self.profile = profile
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._host_s = 0.0
+        self._host_steps = 0
         self.replay_call_s = 0.0
 
     def _forward(self) -> torch.Tensor:
@@ -164,13 +165,16 @@ class StaticDecoder:
             self.eager_steps += plan.eager
             logits = self._forward()
         else:
-            if key not in self.captured:
+            first = key not in self.captured
+            if first:
                 self.captured[key] = self._capture()
             graph, logits = self.captured[key]
             issued = time.perf_counter()
             graph.replay()
             plain = not (plan.evict or plan.refresh)
-            if plain:  # host time is measured on plain steps (an eviction step waits for the device)
+            # host time is measured on plain steps (an eviction step waits for the device),
+            # not on the one that captured the graph: that is one-time work, like compiling
+            if plain and not first:
                 self.replay_call_s = time.perf_counter() - issued
             self.replays += plain
         self.eviction_steps += plan.evict
@@ -189,12 +193,13 @@ class StaticDecoder:
         """Profiling: the host's wall time for one whole step (its replay call is taken out)."""
         if self.replay_call_s:
             self._host_s += seconds - self.replay_call_s
+            self._host_steps += 1
 
     def summary(self) -> dict:
         """Steps by kind and, when profiling, milliseconds of decode time by kind (eager: the
         steps where the policy refreshes or evicts outside a graph; evict and refresh: the
         scheduled eviction steps and the refresh steps without one, replayed once captured) and
-        host milliseconds per replayed plain step."""
+        host milliseconds per replayed plain step (not counting the step that captured its graph)."""
         out = {"eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps,
                "refresh_steps": self.refresh_steps, "replays": self.replays}
         if self.profile and self._events:
@@ -203,7 +208,7 @@ class StaticDecoder:
             for kind, began, ended in self._events:
                 ms[kind] = ms.get(kind, 0.0) + began.elapsed_time(ended)
             out["ms_by_kind"] = ms
-            out["host_ms_per_replay"] = 1e3 * self._host_s / max(self.replays, 1)
+            out["host_ms_per_replay"] = 1e3 * self._host_s / max(self._host_steps, 1)
         return out
 
     def release_graphs(self) -> None:
