@@ -1,0 +1,124 @@
+"""Where a plain decode step's time and a run's memory go (Llama-3-8B shapes, GPU).
+
+The end-to-end benchmark gives one number per run; this splits it, so that the next change
+aims at the largest part. Per policy, at one batch:
+
+- **kernels**: GPU time per decode step by kernel, from ``torch.profiler`` over a run of
+  ``--new-tokens`` steps minus a prefill-only run (the static-shape path without CUDA
+  graphs: the kernels are those a replayed graph runs; only their launches differ).
+- **memory**: above the weights, the peak of a prefill-only run, the peak of the decode run
+  (with graphs, as the benchmark runs), and the KV bytes the cache allocated and used;
+  what is neither KV nor weights is activations, eviction scratch and graph pools.
+
+    python benchmarks/profile_decode.py --policies fullkv,kivi2 --batch 16
+    python benchmarks/profile_decode.py --smoke          # tiny model on the CPU, checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+
+from bench_e2e_gpu import build_model, make_policy
+from common import environment, format_table, llama_model, write_json
+from kvcompose.hf.static import fast_generate
+from kvcompose.speed import random_prompts
+
+
+def kernel_times(model, policy, ids, mask, steps: int) -> dict[str, tuple[float, float]]:
+    """``{kernel: (calls per step, microseconds per step)}`` of the decode steps alone."""
+    run = _profiled(model, policy, ids, mask, steps + 1)
+    prefill = _profiled(model, policy, ids, mask, 1)
+    out = {}
+    for name, (calls, us) in run.items():
+        calls0, us0 = prefill.get(name, (0, 0.0))
+        if us - us0 > 0:
+            out[name] = ((calls - calls0) / steps, (us - us0) / steps)
+    return out
+
+
+def _profiled(model, policy, ids, mask, new: int) -> dict[str, tuple[int, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = ids.is_cuda
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    cache = policy.make_cache(model)
+    with profile(activities=activities) as prof:
+        fast_generate(model, cache, ids, mask, new, graphs=False)
+        if cuda:
+            torch.cuda.synchronize()
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for event in prof.key_averages():
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if us > 0 and (not cuda or event.device_type == torch.autograd.DeviceType.CUDA):
+            totals[event.key][0] += event.count
+            totals[event.key][1] += us
+    return {k: (c, us) for k, (c, us) in totals.items()}
+
+
+def memory(model, policy, ids, mask, steps: int, reserve: int | None) -> dict:
+    """GiB above the weights: prefill peak, decode peak, KV allocated and in use."""
+    if not ids.is_cuda:
+        return {}
+    gib = 2.0 ** -30
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fast_generate(model, policy.make_cache(model), ids, mask, 1)
+    prefill = torch.cuda.max_memory_allocated() - weights
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cache = policy.make_cache(model)
+    fast_generate(model, cache, ids, mask, steps, reserve_new_tokens=reserve)
+    decode = torch.cuda.max_memory_allocated() - weights
+    report = cache.report()
+    return {"weights_gib": weights * gib, "prefill_peak_gib": prefill * gib, "decode_peak_gib": decode * gib,
+            "kv_allocated_gib": report.allocated_bytes * gib, "kv_peak_used_gib": report.peak_kv_bytes * gib,
+            "other_gib": (decode - report.allocated_bytes) * gib}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default="fullkv,nvfp4,kivi2,streamingllm,rkv,thinkv")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=64, help="decode steps profiled")
+    ap.add_argument("--reserve", type=int, default=None, help="size the stores for this many new tokens (memory)")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per policy")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, CPU operators instead of kernels")
+    ap.add_argument("--out", default=None, help="JSON file for the tables")
+    args = ap.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    model = llama_model(True, "cpu") if args.smoke else build_model(False)
+    prompt = 16 if args.smoke else args.prompt
+    ids, mask = random_prompts(model.config.vocab_size, args.batch, prompt, device)
+    records = []
+    for name in [p for p in args.policies.split(",") if p]:
+        policy = make_policy(name, 32 if args.smoke else args.budget, args.smoke)
+        fast_generate(model, policy.make_cache(model), ids, mask, 8)  # compile every kernel first
+        kernels = kernel_times(model, policy, ids, mask, args.new_tokens)
+        total = sum(us for _, us in kernels.values())
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]
+        rows = [[k[:70], f"{c:.1f}", f"{us:.1f}", f"{100 * us / total:.1f}"] for k, (c, us) in top]
+        rest = total - sum(us for _, (_, us) in top)
+        rows.append(["(the rest)", "", f"{rest:.1f}", f"{100 * rest / max(total, 1e-9):.1f}"])
+        print(f"\n{name}, batch {args.batch}: {total / 1e3:.2f} ms of {'kernels' if device == 'cuda' else 'CPU operators'}"
+              " per decode step", flush=True)
+        print(format_table(["kernel" if device == "cuda" else "operator", "calls/step", "us/step", "%"], rows))
+        mem = memory(model, policy, ids, mask, args.new_tokens, args.reserve)
+        if mem:
+            print(" ".join(f"{k} {v:.2f}" for k, v in mem.items()), flush=True)
+        records.append({"policy": name, "batch": args.batch, "prompt": prompt, "steps": args.new_tokens,
+                        "ms_per_step": total / 1e3, "memory": mem,
+                        "kernels": [{"name": k, "calls_per_step": c, "us_per_step": us} for k, (c, us) in top]})
+    if args.out:
+        write_json(args.out, {"benchmark": "decode step profile", "environment": environment(), "records": records})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""The decode-step profiler runs end to end in its smoke setting (tiny model, CPU operators)."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_profile_decode_smoke_splits_a_step_by_operator(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))  # restored after
+    sys.modules.pop("profile_decode", None)
+    import profile_decode
+
+    out = tmp_path / "profile.json"
+    assert profile_decode.main(["--smoke", "--policies", "fullkv", "--batch", "2", "--new-tokens", "4",
+                                "--top", "5", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())["records"][0]
+    assert record["policy"] == "fullkv" and record["steps"] == 4 and record["ms_per_step"] > 0
+    assert 0 < len(record["kernels"]) <= 5 and all(k["us_per_step"] > 0 for k in record["kernels"])
+    assert "fullkv, batch 2" in capsys.readouterr().out
