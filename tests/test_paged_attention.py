@@ -94,6 +94,28 @@ def test_kernel_matches_reference_every_format(fmt, group, head_dim):
     check_close(query, [src])
 
 
+@pytest.mark.parametrize("token_group,bs,folds", [(16, 16, True), (32, 32, True), (8, 16, False)])
+def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, folds, monkeypatch):
+    """KIVI keys whose aligned runs of min(token group, tile) slots share a group (>= 16 of them)
+    are scored with the group scale in the queries; shorter groups decode every key. Both match."""
+    from kvcompose.ops import paged_attention as pa
+
+    g = torch.Generator().manual_seed(token_group)
+    lengths = [70, 0, 33, 129]
+    table, valid, row_of = block_table(lengths, bs, True, g)
+    k, v = torch.randn(2, valid.numel(), 2, 64, generator=g).to(torch.bfloat16)
+    quantizer = {"name": "int", "bits": 2, "layout": "kivi", "token_group": token_group}
+    p = registry.build("quantizer", quantizer).quantize(k, role="key")
+    key = KVOperand("int_channel", p.codes, p.scale, p.minimum, bits=2, token_group=token_group)
+    src = PagedSource(key, operand("int", v, row_of, len(lengths), "value", g), table, bs, valid)
+    query = torch.randn(len(lengths), 8, 1, 64).to(torch.bfloat16)
+    for shape in (attention_launch.FEW_ROWS_SHAPE, attention_launch.MANY_ROWS_SHAPE):
+        monkeypatch.setattr(pa, "launch_shape", lambda rows, shape=shape: shape)
+        assert pa._partial_launch(query, src, False, shape)[1]["KFOLD"] == folds
+        check_close(query, [src])
+    assert not pa._partial_launch(query.half(), src, False, shape)[1]["KFOLD"]  # q * scale could overflow fp16
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernel_matches_reference_other_dtypes(dtype):
     src = make_source("nvfp4", [20, 45], 2, 64, dtype=dtype, holes=True)

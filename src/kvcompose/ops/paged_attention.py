@@ -327,6 +327,62 @@ def _kivi_part(byte, scale_ptr, min_ptr, at, m, j: tl.constexpr, BITS: tl.conste
 
 
 @jit
+def _kivi_key_scores(q0, q1, q2, q3, codes_ptr, scale_ptr, min_ptr, table_ptr, row, W, t0, end, slot, head, ok,
+                     H: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, TG: tl.constexpr,
+                     PER: tl.constexpr, BS: tl.constexpr, N: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr,
+                     PREC: tl.constexpr):
+    """Scores ``[GP, N]`` of KIVI keys without dequantizing them. The ``SUB`` slots of a run
+    share one token group, so ``q . (code * scale + min) = (q * scale) . code + q . min``:
+    the group's scale goes into the queries (one ``[GP, D / PER]`` product per run and
+    part), its minimum into one bias per run, and the codes reach the dot as exact small
+    integers (no per-element scale, minimum or multiply-add)."""
+    DQ: tl.constexpr = D // PER
+    SUB: tl.constexpr = TG if TG < N else N
+    i = tl.arange(0, DQ)
+    byte = tl.load(codes_ptr + (slot[:, None] * H + head) * DQ + i[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    c0 = _operand((byte & LEVELS).to(tl.float32), False, OUT, NATIVE)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    if PER > 1:
+        c1 = _operand(((byte >> BITS) & LEVELS).to(tl.float32), False, OUT, NATIVE)
+    if PER > 2:
+        c2 = _operand(((byte >> (2 * BITS)) & LEVELS).to(tl.float32), False, OUT, NATIVE)
+        c3 = _operand(((byte >> (3 * BITS)) & LEVELS).to(tl.float32), False, OUT, NATIVE)
+    run = tl.arange(0, N) // SUB
+    s = tl.zeros([GP, N], tl.float32)
+    for b in tl.static_range(N // SUB):
+        first = t0 + b * SUB  # the run's first token: its block gives the run's token group
+        blk = tl.load(table_ptr + row * W + first // BS, mask=first < end, other=0).to(tl.int64)
+        at = ((tl.maximum(blk * BS + first % BS, 0) // TG) * H + head) * D + PER * i  # a missing block reads group 0
+        sb, bias = _kivi_run(q0, c0, scale_ptr, min_ptr, at, 0, OUT, NATIVE, PREC)
+        if PER > 1:
+            part, lift = _kivi_run(q1, c1, scale_ptr, min_ptr, at, 1, OUT, NATIVE, PREC)
+            sb += part
+            bias += lift
+        if PER > 2:
+            part, lift = _kivi_run(q2, c2, scale_ptr, min_ptr, at, 2, OUT, NATIVE, PREC)
+            sb += part
+            bias += lift
+            part, lift = _kivi_run(q3, c3, scale_ptr, min_ptr, at, 3, OUT, NATIVE, PREC)
+            sb += part
+            bias += lift
+        s = tl.where((run == b)[None, :], sb + bias[:, None], s)
+    return s
+
+
+@jit
+def _kivi_run(q, c, scale_ptr, min_ptr, at, j: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr,
+              PREC: tl.constexpr):
+    """Part ``j`` of one run: its scores ``(q * scale) . codes`` ``[GP, N]`` and bias ``q . min`` ``[GP]``."""
+    qf = q.to(tl.float32)
+    qs = _operand(qf * tl.load(scale_ptr + at + j).to(tl.float32)[None, :], False, OUT, NATIVE)
+    lift = tl.sum(qf * tl.load(min_ptr + at + j).to(tl.float32)[None, :], 1)
+    return tl.dot(qs, tl.trans(c), input_precision=PREC), lift
+
+
+@jit
 def _head_scale(hs_ptr, row, head, FMT: tl.constexpr, H: tl.constexpr):
     """The second-level scale of one (row, KV head) for the formats that have one, else 1.
     Constant over the program: it multiplies the dot products (keys) or the finished output
@@ -473,7 +529,7 @@ def _paged_partial_kernel(
     W, tokens_per_split, split0, total_splits, col0, total_cols, qk_scale,
     KFMT: tl.constexpr, VFMT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KGROUP: tl.constexpr, VGROUP: tl.constexpr, KTG: tl.constexpr, KPER: tl.constexpr, VPER: tl.constexpr,
-    KEX: tl.constexpr, VEX: tl.constexpr,
+    KEX: tl.constexpr, VEX: tl.constexpr, KFOLD: tl.constexpr,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK: tl.constexpr, SCORES: tl.constexpr, PREC: tl.constexpr, OUT: tl.constexpr,
     NATIVE: tl.constexpr,
@@ -483,7 +539,8 @@ def _paged_partial_kernel(
     Keys and values come in channel parts (see :func:`_decode_parts`); the score is the sum
     of the parts' dots, and each value part accumulates its own output columns. ``KEX`` /
     ``VEX``: the keys / values are an exact format (see the module notes) and go to the
-    tensor cores in fp16."""
+    tensor cores in fp16. ``KFOLD``: KIVI keys scored with their group scale folded into the
+    queries (:func:`_kivi_key_scores`)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row = pid // H
@@ -530,14 +587,18 @@ def _paged_partial_kernel(
         slot = blk * BS + t % BS
         ok = inside & (blk >= 0)
         ok = ok & (tl.load(valid_ptr + slot, mask=ok, other=0) != 0)
-        k0, k1, k2, k3 = _decode_parts(kc_ptr, ks_ptr, km_ptr, slot, head, ok,
-                                       KFMT, H, D, KBITS, KGROUP, KTG, KPER, BLOCK, KEX, NATIVE)
-        s = tl.dot(q0, tl.trans(_operand(k0, KEX, OUT, NATIVE)), input_precision=PREC)
-        if KPER > 1:
-            s += tl.dot(q1, tl.trans(_operand(k1, KEX, OUT, NATIVE)), input_precision=PREC)
-        if KPER > 2:
-            s += tl.dot(q2, tl.trans(_operand(k2, KEX, OUT, NATIVE)), input_precision=PREC)
-            s += tl.dot(q3, tl.trans(_operand(k3, KEX, OUT, NATIVE)), input_precision=PREC)
+        if KFOLD:
+            s = _kivi_key_scores(q0, q1, q2, q3, kc_ptr, ks_ptr, km_ptr, table_ptr, row, W, t0, end, slot, head, ok,
+                                 H, GP, D, KBITS, KTG, KPER, BS, BLOCK, OUT, NATIVE, PREC)
+        else:
+            k0, k1, k2, k3 = _decode_parts(kc_ptr, ks_ptr, km_ptr, slot, head, ok,
+                                           KFMT, H, D, KBITS, KGROUP, KTG, KPER, BLOCK, KEX, NATIVE)
+            s = tl.dot(q0, tl.trans(_operand(k0, KEX, OUT, NATIVE)), input_precision=PREC)
+            if KPER > 1:
+                s += tl.dot(q1, tl.trans(_operand(k1, KEX, OUT, NATIVE)), input_precision=PREC)
+            if KPER > 2:
+                s += tl.dot(q2, tl.trans(_operand(k2, KEX, OUT, NATIVE)), input_precision=PREC)
+                s += tl.dot(q3, tl.trans(_operand(k3, KEX, OUT, NATIVE)), input_precision=PREC)
         s = tl.where(ok[None, :], s * key_scale, float("-inf"))  # [GP, BLOCK], log2 units
         if SCORES:
             tl.store(score_ptr + qrow[:, None] * total_cols + col0 + t[None, :], s, mask=gm[:, None] & inside[None, :])
@@ -771,7 +832,8 @@ def _partial_launch(q: torch.Tensor, src: PagedSource, scores: bool, shape: tupl
     consts = dict(
         KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
         KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte,
-        KEX=_exact(src.key, q.dtype), VEX=_exact(src.value, q.dtype), H=H, G=G, GP=max(16, next_pow2(G)), D=D,
+        KEX=_exact(src.key, q.dtype), VEX=_exact(src.value, q.dtype), KFOLD=_folds(src, shape[0], q.dtype),
+        H=H, G=G, GP=max(16, next_pow2(G)), D=D,
         BS=src.block_size, BLOCK=shape[0], SCORES=scores, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         OUT=OUT_KINDS[q.dtype], NATIVE=not interpreted(_paged_partial_kernel), num_warps=shape[1], num_stages=STAGES,
         **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
@@ -796,6 +858,16 @@ def _resident(q: torch.Tensor, launch: tuple[tuple, dict], cols: int) -> int:
                                               grid=(1, 1), **consts)
         _RESIDENT[key] = resident_programs(kernel, q.device)
     return _RESIDENT[key]
+
+
+def _folds(src: PagedSource, block: int, dtype: torch.dtype) -> bool:
+    """Whether KIVI keys are scored with their scales in the queries (:func:`_kivi_key_scores`):
+    each aligned run of ``min(token group, tile)`` tokens must lie in one token group (powers
+    of two dividing the block size) and be long enough (16) for a run's dot to pay. Not for
+    fp16 queries, whose product with a scale could overflow fp16 where the dense keys do not."""
+    tg = src.key.token_group
+    return (src.key.fmt == "int_channel" and dtype != torch.float16 and min(tg, block) >= 16
+            and tg == next_pow2(tg) and block == next_pow2(block) and src.block_size % tg == 0)
 
 
 def _exact(op: KVOperand, dtype: torch.dtype) -> bool:
