@@ -17,6 +17,7 @@ aims at the largest part. Per policy, at one batch:
 from __future__ import annotations
 
 import argparse
+import gc
 from collections import defaultdict
 
 import torch
@@ -63,12 +64,14 @@ def memory(model, policy, ids, mask, steps: int, reserve: int | None) -> dict:
     if not ids.is_cuda:
         return {}
     gib = 2.0 ** -30
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fast_generate(model, policy.make_cache(model), ids, mask, 1)
     prefill = torch.cuda.max_memory_allocated() - weights
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     cache = policy.make_cache(model)

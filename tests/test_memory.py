@@ -139,3 +139,53 @@ def test_memory_basis_names_are_checked_and_the_report_states_both_bases():
     text = str(bf16)
     assert "a full bfloat16 cache of the same tokens (this run computes in float32" in text
     assert "a full float32 cache of the same tokens\n" in str(held)
+
+
+@pytest.mark.parametrize("preset,overrides", [
+    ("fullkv", {}), ("rkv", {"budget": 32}), ("kivi2", {}), ("reasoncache", {}),
+    ("thinkv", {"budget": 64, "classifier": {"name": "sparsity_kde", "thresholds": [0.5, 0.8], "layers": [0, 1]}}),
+])
+def test_a_dropped_cache_is_freed_without_the_cycle_collector(llama, preset, overrides):
+    """Its layers, static decoder and sharing tracker refer back to it weakly: once the user
+    drops a cache, its memory goes at once (a loop making one cache per request must not
+    wait for Python's cycle collector to free GPU stores and graphs)."""
+    import gc
+    import weakref
+
+    from conftest import char_tokenizer, left_padded
+    from kvcompose import Policy
+    from kvcompose.hf.static import fast_generate
+
+    policy = Policy.from_preset(preset, **overrides)
+    cache = policy.make_cache(llama, tokenizer=char_tokenizer()) if policy.needs_text else policy.make_cache(llama)
+    _, ids, mask = left_padded([9, 14])
+    if policy.needs_text:
+        greedy_ids = llama.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+                                    do_sample=False, streamer=cache.token_streamer(mask), pad_token_id=0)
+        assert greedy_ids.shape[1] == ids.shape[1] + 6
+    else:
+        fast_generate(llama, cache, ids, mask, 6)
+    layer, ref = cache.layers[0], weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert ref() is None
+    finally:
+        gc.enable()
+    with pytest.raises(ReferenceError, match="no longer exists"):
+        layer.cache
+
+
+def test_the_query_window_holds_only_its_own_queries(llama):
+    """After a long prefill, a policy that records queries keeps the window, not the prompt's."""
+    from conftest import left_padded
+    from kvcompose import Policy
+
+    policy = Policy.from_preset("rkv", budget=32)
+    cache = policy.make_cache(llama)
+    _, ids, mask = left_padded([40, 40])
+    llama(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        assert layer.queries.shape[2] == policy.query_window
+        assert layer.queries.untyped_storage().nbytes() == layer.queries.numel() * layer.queries.element_size()
+        assert layer.query_positions.untyped_storage().nbytes() == layer.query_positions.numel() * 8

@@ -116,6 +116,7 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
             fast_generate(model, warm_up_policy(policy).make_cache(model), ids, mask, 40)
             fast_generate(model, policy.make_cache(model), ids, mask, 4)
         prefill = timed(lambda: fast_generate(model, policy.make_cache(model), ids, mask, 1))
+        gc.collect()  # nothing of the earlier runs may count in the timed run's peak
         _peak_reset()
         cache = policy.make_cache(model)
         total = timed(lambda: fast_generate(model, cache, ids, mask, new, profile=profile,
@@ -176,7 +177,7 @@ def run_backing_off(run_at, batch: int, cap_gib: float, retries: int) -> dict:
             traceback.print_exc(limit=1)
             print(f"out of memory at batch {batch}", flush=True)
         too_big.append(batch)
-        gc.collect()  # the failed run's cache and graphs refer to each other: free them before the retry
+        gc.collect()  # the exception's frames held the failed run's cache: free what they kept before the retry
         torch.cuda.empty_cache()
         batch = max(1, math.floor(batch * 0.9))
     return dict(row, over_cap=row["peak_gib"] > cap_gib, over_cap_at=too_big)
@@ -199,7 +200,7 @@ def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: flo
 
     peaks, kv = {}, {}
     for b in (2, 4):
-        gc.collect()  # earlier runs' caches and decoders refer to each other: free them first
+        gc.collect()  # whatever earlier runs left in reference cycles: free it first
         torch.cuda.empty_cache()
         kv[b] = run(b, 2)["kv_allocated_bytes"]
         peaks[b] = torch.cuda.max_memory_allocated()  # time_policy resets it before its timed run

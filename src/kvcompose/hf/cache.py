@@ -23,6 +23,7 @@ from ..report import memory_dtype
 from .attention import ATTENTION_NAME, LAYER_ATTR, CacheReuseError, UnsupportedModelError
 from .counters import StepCounters
 from .model_check import check_model
+from .owner import OwningCache
 from .sharing import SharingTracker
 from .thoughts import ThoughtTracker
 from .tokens import TokenStream, TokenStreamer
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 
 class KVComposeLayer(CacheLayerMixin):
     """Cache layer: one :class:`LayerStore` plus the recent queries of this layer."""
+
+    cache = OwningCache()  # weak: the cache owns this part
 
     is_sliding = False
     is_compileable = False
@@ -251,8 +254,9 @@ class KVComposeLayer(CacheLayerMixin):
             B, Hq, _, D = query.shape
             self.queries = query.new_zeros(B, Hq, 0, D)
             self.query_positions = torch.zeros(B, 0, dtype=torch.long, device=query.device)
-        self.queries = torch.cat([self.queries, query], dim=2)[:, :, -window:]
-        self.query_positions = torch.cat([self.query_positions, positions], dim=1)[:, -window:]
+        # contiguous: a slice of the prefill's queries would keep all of them alive
+        self.queries = torch.cat([self.queries, query], dim=2)[:, :, -window:].contiguous()
+        self.query_positions = torch.cat([self.query_positions, positions], dim=1)[:, -window:].contiguous()
 
     def fix_capacity(self, tokens: int, columns_limit: int | None = None) -> None:
         """Static mode for this layer: the store's capacity, and a full query window (empty

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..sharing.filter import Pair, RowHistory, Step
 from ..sharing.lexical import make_step
+from .owner import OwningCache
 
 #: ReasonCache's measured filter overhead per reasoning step (§V-C), the budget we hold ours to.
 PAPER_BUDGET_MS = 13.5
@@ -42,6 +43,8 @@ class RowState:
 
 class SharingTracker:
     """Steps, decisions and their cost for one cache."""
+
+    cache = OwningCache()  # weak: the cache owns this part
 
     def __init__(self, cache):
         self.cache = cache

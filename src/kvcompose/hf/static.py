@@ -23,6 +23,7 @@ import torch
 
 from ..triggers import TriggerInput
 from .model_check import check_model
+from .owner import OwningCache
 
 SIMULATION_CHUNK = 256  # decode steps whose trigger decisions the schedule evaluates at once
 
@@ -113,6 +114,8 @@ class StaticDecoder:
     """Runs decode steps of a prefilled cache in static mode; with ``graphs``, the steps that
     are not eager replay captured CUDA graphs (each variant runs once eagerly first, which
     compiles its kernels, then is captured)."""
+
+    cache = OwningCache()  # weak: the cache owns this part
 
     def __init__(self, model, cache, next_positions: torch.Tensor, columns: int, graphs: bool,
                  profile: bool = False):
@@ -212,10 +215,10 @@ class StaticDecoder:
         return out
 
     def release_graphs(self) -> None:
-        """Free the captured graphs and their memory pool now. The decoder and its cache refer
-        to each other, so without this they would wait for Python's cycle collector, which may
-        then destroy them in the middle of another capture (CUDA refuses that and the capture
-        fails)."""
+        """Free the captured graphs and their memory pool now: the cache keeps its decoder (for
+        :meth:`summary`), so they would otherwise live as long as the cache, and a decoder
+        caught in a reference cycle could be destroyed by Python's cycle collector in the
+        middle of another capture (CUDA refuses that and the capture fails)."""
         self.captured.clear()
         self.pool = None
 
