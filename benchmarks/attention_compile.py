@@ -36,6 +36,7 @@ def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, blo
                   BLOCK=block, SCORES=scores, PREC="tf32", OUT=1, NATIVE=True)
     consts["KPER"] = 8 // bits if bits else {"nvfp4": 2, "ternary": 4}.get(kfmt, 1)
     consts["VPER"] = consts["KPER"]
+    consts["KFOLD"] = kfmt == "int_channel"  # KIVI keys: runs of 16 slots share a token group
     return sig, consts
 
 
@@ -49,6 +50,11 @@ def main() -> int:
             print(f"partial {kfmt}/{vfmt} G={group} D={head_dim} tile {block} x {warps} warps: "
                   f"{len(kernel.asm['cubin'])} bytes of cubin", flush=True)
             count += 1
+    # KIVI keys decoded per element (fp16 queries, token groups under 16 slots)
+    sig, consts = partial_variant("int_channel", "int", "u8", "fp16", 2, 4, 128, False)
+    kernel = compile_for_hopper(pa._paged_partial_kernel, dict(sig, q_ptr="*fp16"), dict(consts, KFOLD=False, OUT=2), 1)
+    print(f"partial int_channel/int per element, fp16: {len(kernel.asm['cubin'])} bytes of cubin", flush=True)
+    count += 1
     sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32", "S": "i32"}
     for _, warps in (launch_plan.FEW_ROWS_SHAPE, launch_plan.MANY_ROWS_SHAPE):  # the merge runs on the partial kernel's warps
         kernel = compile_for_hopper(pa._merge_kernel, sig, dict(D=128, SP=128, DP=128, OUT=1, CHUNK=pa.MERGE_CHUNK),
