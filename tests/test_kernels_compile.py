@@ -25,22 +25,28 @@ def _can_compile_for_hopper() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs Triton with ASTSource and its bundled ptxas")
+def compiled(*args: str) -> str:
+    """stdout of ``python *args`` with the kernels compiled, not interpreted; fails on errors."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+hopper = pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs Triton with ASTSource and its bundled ptxas")
+
+
+@hopper
 def test_quant_kernels_compile_for_hopper():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if "instr/value" in line]
-    assert len(lines) == 17, done.stdout  # 6 two-level kernels x 2 scale layouts + 5 INT variants
+    out = compiled(str(SCRIPT))
+    lines = [line for line in out.splitlines() if "instr/value" in line]
+    assert len(lines) == 17, out  # 6 two-level kernels x 2 scale layouts + 5 INT variants
 
 
-@pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs Triton with ASTSource and its bundled ptxas")
+@hopper
 def test_attention_kernels_compile_for_hopper():
-    script = SCRIPT.parent / "attention_compile.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "compiled 16 kernels" in done.stdout, done.stdout
+    out = compiled(str(SCRIPT.parent / "attention_compile.py"))
+    assert "compiled 16 kernels" in out, out
 
 
 REDUNDANCY_COMPILE = """
@@ -68,10 +74,31 @@ print(f"compiled {{count + 2}} kernels")
 """
 
 
-@pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs Triton with ASTSource and its bundled ptxas")
+@hopper
 def test_redundancy_kernel_compiles_for_hopper():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = REDUNDANCY_COMPILE.format(bench=str(SCRIPT.parent))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "compiled 5 kernels" in done.stdout, done.stdout
+    out = compiled("-c", REDUNDANCY_COMPILE.format(bench=str(SCRIPT.parent)))
+    assert "compiled 5 kernels" in out, out
+
+
+APPEND_COMPILE = """
+import sys
+sys.path.insert(0, {bench!r})
+from kernel_sass import compile_for_hopper
+from kvcompose.ops import append_token as a
+
+count = 0
+for dtype in ("bf16", "fp16", "fp32"):
+    sig = {{"k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "ksb": "i64", "ksh": "i64", "ksd": "i64", "vsb": "i64",
+            "vsh": "i64", "vsd": "i64", "bk_ptr": "*" + dtype, "bv_ptr": "*" + dtype, "len_ptr": "*i64",
+            "seen_ptr": "*i64", "column_ptr": "*i64", "positions_ptr": "*i64", "cls_in_ptr": "*i64",
+            "bpos_ptr": "*i64", "bvalid_ptr": "*u8", "bcls_ptr": "*i64", "overflow_ptr": "*i32", "nonfinite_ptr": "*i32"}}
+    compile_for_hopper(a._append_token_kernel, sig, dict(CAP=144, H=8, D=128, HD_P=1024), 4)
+    count += 1
+print(f"compiled {{count}} kernels")
+"""
+
+
+@hopper
+def test_append_token_kernel_compiles_for_hopper():
+    out = compiled("-c", APPEND_COMPILE.format(bench=str(SCRIPT.parent)))
+    assert "compiled 3 kernels" in out, out

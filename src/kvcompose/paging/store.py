@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.append_token import append_token
 from ..ops.evict_one import evict_one_in_place
 from ..ops.paged_attention import KVOperand, PagedSource
 from .codec import DenseCodec, SlotCodec
@@ -277,22 +278,8 @@ class LayerStore:
         return its positions ``[B, 1]``. ``flush``: the caller knows that some row's buffer
         fills this step, so its oldest group is encoded into blocks (rows whose buffer is not
         full write nothing). Host counters (``columns_seen``) are the caller's to advance."""
-        B = self.batch_size
-        cap = self.buf_k.shape[1]
-        rows = torch.arange(B, device=self.device)
-        at = self.buf_len.clamp(max=cap - 1)
-        self.overflow |= (self.buf_len >= cap).any().to(torch.int32)
-        finite = torch.isfinite(keys).all() & torch.isfinite(values).all()
-        self.nonfinite |= (~finite).to(torch.int32)
-        positions = self.column.expand(B, 1).clone()  # not a view: the counter moves on below
-        self.buf_k[rows, at] = keys[:, :, 0]
-        self.buf_v[rows, at] = values[:, :, 0]
-        new_meta = {"pos": positions[:, 0], "cls": cls}
-        for name, t in self.buf_meta.items():  # tensor values only: a Python scalar would be a host copy
-            t[rows, at] = new_meta[name] if name in new_meta else torch.full_like(t[:, 0], name == "valid")
-        self.buf_len += 1
-        self.tokens_seen += 1
-        self.column += 1
+        positions = append_token(keys, values, self.buf_k, self.buf_v, self.buf_meta, self.buf_len, self.tokens_seen,
+                                 self.column, cls, self.overflow, self.nonfinite)
         if flush:
             self._flush_full_rows()
         return positions

@@ -1,0 +1,120 @@
+"""Append one decode step's token per row to a store's recent buffer, in one launch.
+
+The static decode path appends every layer's new key and value each step: the token goes
+to its row's next buffer slot with its position, class and live bit; the row's buffer
+length and token count move on; a full buffer (the schedule should have flushed it) and
+a non-finite key or value raise device flags that the host reads at its next
+synchronization. Written with torch ops that is about 25 small kernels per layer and
+step (800 per step of a 32-layer model), each costing a few microseconds even inside a
+CUDA graph; :func:`append_token` does it in one program per row.
+
+:func:`append_token_torch` is the plain-torch reference (and the CPU path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant_common import jit, next_pow2, step_kernel_runs, tl
+
+FIXED_CHANNELS = ("pos", "valid", "cls")  # written by the kernel; other (float) channels get 0
+
+
+@jit
+def _append_token_kernel(k_ptr, v_ptr, ksb, ksh, ksd, vsb, vsh, vsd, bk_ptr, bv_ptr, len_ptr, seen_ptr,
+                         column_ptr, positions_ptr, cls_in_ptr, bpos_ptr, bvalid_ptr, bcls_ptr,
+                         overflow_ptr, nonfinite_ptr, CAP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                         HD_P: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.load(len_ptr + b)
+    at = tl.minimum(n, CAP - 1)
+    tl.atomic_or(overflow_ptr, 1, mask=n >= CAP)
+    e = tl.arange(0, HD_P)
+    m = e < H * D
+    h = e // D
+    d = e % D
+    k = tl.load(k_ptr + b * ksb + h * ksh + d * ksd, mask=m, other=0.0)
+    v = tl.load(v_ptr + b * vsb + h * vsh + d * vsd, mask=m, other=0.0)
+    kf = k.to(tl.float32)
+    vf = v.to(tl.float32)
+    bad = (kf != kf) | (tl.abs(kf) == float("inf")) | (vf != vf) | (tl.abs(vf) == float("inf"))
+    tl.atomic_or(nonfinite_ptr, 1, mask=tl.max(bad.to(tl.int32), 0) > 0)
+    row_slot = b * CAP + at
+    tl.store(bk_ptr + row_slot * (H * D) + e, k, mask=m)
+    tl.store(bv_ptr + row_slot * (H * D) + e, v, mask=m)
+    column = tl.load(column_ptr)
+    tl.store(positions_ptr + b, column)
+    tl.store(bpos_ptr + row_slot, column)
+    tl.store(bvalid_ptr + row_slot, 1)
+    tl.store(bcls_ptr + row_slot, tl.load(cls_in_ptr + b))
+    tl.store(len_ptr + b, n + 1)
+    tl.store(seen_ptr + b, tl.load(seen_ptr + b) + 1)
+
+
+def _check(keys, values, buf_k, buf_v, meta, cls) -> None:
+    B, cap, H, D = buf_k.shape
+    for name, x, buf in (("keys", keys, buf_k), ("values", values, buf_v)):
+        if tuple(x.shape) != (B, H, 1, D) or x.dtype != buf.dtype:
+            raise ValueError(f"append_token: {name} of shape {tuple(x.shape)} and dtype {x.dtype}; the buffer takes "
+                             f"[{B}, {H}, 1, {D}] in {buf.dtype}")
+    missing = [c for c in FIXED_CHANNELS if c not in meta]
+    if missing:
+        raise ValueError(f"append_token: buffer metadata lacks {missing}; it must hold {list(FIXED_CHANNELS)}")
+    if not (buf_k.is_contiguous() and buf_v.is_contiguous()):
+        raise ValueError("append_token: the buffers must be contiguous [B, cap, H, D] tensors")
+    if tuple(cls.shape) != (B,):
+        raise ValueError(f"append_token: classes of shape {tuple(cls.shape)}; expected [{B}]")
+
+
+def append_token(keys: torch.Tensor, values: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor,
+                 meta: dict[str, torch.Tensor], buf_len: torch.Tensor, tokens_seen: torch.Tensor,
+                 column: torch.Tensor, cls: torch.Tensor, overflow: torch.Tensor, nonfinite: torch.Tensor,
+                 backend: str | None = None) -> torch.Tensor:
+    """Append ``keys`` / ``values`` ``[B, H, 1, D]`` at each row's next slot of the buffer
+    ``buf_k`` / ``buf_v`` ``[B, cap, H, D]`` (the last slot when full, which sets ``overflow``),
+    with position ``column`` (a 0-d counter, advanced by one), class ``cls`` ``[B]`` and the
+    live bit in ``meta``'s channels (other channels get 0); ``buf_len`` and ``tokens_seen``
+    move on by one; a non-finite key or value sets ``nonfinite``. Returns the positions
+    ``[B, 1]``. Everything stays on the device. ``backend`` as the other per-step ops
+    (:func:`~kvcompose.ops.quant_common.step_kernel_runs`)."""
+    _check(keys, values, buf_k, buf_v, meta, cls)
+    if not step_kernel_runs(keys, _append_token_kernel, backend):
+        return append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, column, cls, overflow,
+                                  nonfinite)
+    B, cap, H, D = buf_k.shape
+    positions = torch.empty(B, 1, dtype=torch.long, device=keys.device)
+    cls = cls.contiguous()  # the kernel reads one class per row at unit stride
+    extra = [t for name, t in meta.items() if name not in FIXED_CHANNELS]
+    if extra:  # float slot channels (h2o's mass): 0 at the slot the kernel writes
+        at = buf_len.clamp(max=cap - 1)
+        rows = torch.arange(B, device=keys.device)
+        for t in extra:
+            t[rows, at] = 0
+    _append_token_kernel[(B,)](
+        keys, values, keys.stride(0), keys.stride(1), keys.stride(3), values.stride(0), values.stride(1),
+        values.stride(3), buf_k, buf_v, buf_len, tokens_seen, column, positions, cls, meta["pos"],
+        meta["valid"].view(torch.uint8), meta["cls"], overflow, nonfinite, CAP=cap, H=H, D=D, HD_P=next_pow2(H * D),
+        num_warps=4)
+    column += 1
+    return positions
+
+
+def append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, column, cls, overflow,
+                       nonfinite) -> torch.Tensor:
+    """Reference of :func:`append_token` in torch ops."""
+    B, cap = buf_k.shape[:2]
+    rows = torch.arange(B, device=keys.device)
+    at = buf_len.clamp(max=cap - 1)
+    overflow |= (buf_len >= cap).any().to(overflow.dtype)
+    finite = torch.isfinite(keys).all() & torch.isfinite(values).all()
+    nonfinite |= (~finite).to(nonfinite.dtype)
+    positions = column.expand(B, 1).clone()  # not a view: the counter moves on below
+    buf_k[rows, at] = keys[:, :, 0]
+    buf_v[rows, at] = values[:, :, 0]
+    new = {"pos": positions[:, 0], "cls": cls}
+    for name, t in meta.items():  # tensor values only: a Python scalar would be a host copy
+        t[rows, at] = new[name] if name in new else torch.full_like(t[:, 0], name == "valid")
+    buf_len += 1
+    tokens_seen += 1
+    column += 1
+    return positions

@@ -1,0 +1,86 @@
+"""The one-launch buffer append of static decode (ops/append_token.py): kernel == torch reference."""
+
+import copy
+
+import pytest
+import torch
+
+from kvcompose.ops.append_token import append_token
+
+B, CAP, H, D = 4, 5, 2, 8
+
+
+def make_state(dtype, channel: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    meta = {"pos": torch.full((B, CAP), -1, dtype=torch.long), "valid": torch.zeros(B, CAP, dtype=torch.bool),
+            "cls": torch.zeros(B, CAP, dtype=torch.long)}
+    if channel:
+        meta["acc"] = torch.rand(B, CAP, generator=g)
+    return {"buf_k": torch.randn(B, CAP, H, D, generator=g).to(dtype), "buf_v": torch.randn(B, CAP, H, D, generator=g).to(dtype),
+            "meta": meta, "buf_len": torch.tensor([0, 3, CAP - 1, 2]), "tokens_seen": torch.tensor([5, 9, 7, 0]),
+            "column": torch.tensor(17), "overflow": torch.zeros((), dtype=torch.int32),
+            "nonfinite": torch.zeros(1, dtype=torch.int32)}
+
+
+def run(state, keys, values, cls, backend):
+    s = copy.deepcopy(state)
+    positions = append_token(keys, values, s["buf_k"], s["buf_v"], s["meta"], s["buf_len"], s["tokens_seen"],
+                             s["column"], cls, s["overflow"], s["nonfinite"], backend=backend)
+    return positions, s
+
+
+def assert_same(a, b):
+    for key in a:
+        if key == "meta":
+            for name in a["meta"]:
+                assert torch.equal(a["meta"][name], b["meta"][name]), name
+        else:
+            assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("channel", [False, True])
+def test_kernel_matches_reference(dtype, channel):
+    g = torch.Generator().manual_seed(1)
+    state = make_state(dtype, channel)
+    keys = torch.randn(B, 1, H, D, generator=g).to(dtype).transpose(1, 2)  # [B, H, 1, D] as a view, as models pass them
+    values = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    cls = torch.tensor([2, 0, 1, 3])
+    pos_ref, ref = run(state, keys, values, cls, "torch")
+    pos, got = run(state, keys, values, cls, "triton")
+    assert torch.equal(pos, pos_ref) and pos_ref.tolist() == [[17]] * B
+    assert_same(got, ref)
+    assert ref["buf_len"].tolist() == [1, 4, CAP, 3] and ref["column"].item() == 18
+    assert ref["meta"]["valid"][1, 3] and ref["meta"]["cls"][0, 0] == 2 and torch.equal(ref["buf_k"][1, 3], keys[1, :, 0])
+    assert ref["overflow"].item() == 0 and ref["nonfinite"].item() == 0
+    if channel:
+        assert ref["meta"]["acc"][1, 3] == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_full_buffer_and_non_finite_values_raise_their_flags(backend):
+    state = make_state(torch.float32, False)
+    state["buf_len"][2] = CAP  # the schedule should have flushed this row
+    keys, values = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+    values[3, 1, 0, 5] = float("nan")
+    _, s = run(state, keys, values, torch.zeros(B, dtype=torch.long), backend)
+    assert s["overflow"].item() == 1 and s["nonfinite"].item() == 1
+    assert torch.equal(s["buf_k"][2, CAP - 1], keys[2, :, 0])  # written over the last slot
+    keys[0, 0, 0, 0] = float("inf")
+    values[3, 1, 0, 5] = 0.0
+    _, s = run(make_state(torch.float32, False), keys, values, torch.zeros(B, dtype=torch.long), backend)
+    assert s["nonfinite"].item() == 1 and s["overflow"].item() == 0
+
+
+def test_bad_shapes_and_metadata_are_named():
+    state = make_state(torch.float32, False)
+    keys = torch.randn(B, H, 1, D)
+    with pytest.raises(ValueError, match=r"keys of shape \(4, 2, 2, 8\)"):
+        run(state, torch.randn(B, H, 2, D), keys, torch.zeros(B, dtype=torch.long), "torch")
+    with pytest.raises(ValueError, match="dtype torch.float16"):
+        run(state, keys.half(), keys, torch.zeros(B, dtype=torch.long), "torch")
+    del state["meta"]["cls"]
+    with pytest.raises(ValueError, match=r"lacks \['cls'\]"):
+        run(state, keys, keys, torch.zeros(B, dtype=torch.long), "torch")
+    with pytest.raises(ValueError, match=r"classes of shape \(3,\)"):
+        run(make_state(torch.float32, False), keys, keys, torch.zeros(3, dtype=torch.long), "torch")
