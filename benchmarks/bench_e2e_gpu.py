@@ -24,8 +24,8 @@ The CUDA allocator runs with ``expandable_segments:True`` (unless ``PYTORCH_CUDA
 says otherwise; the JSON records it): at the batch sizes of scenario c the default
 allocator failed a 4.9 GiB prefill allocation with 13 GiB reserved but fragmented.
 
-Per run: decode ms/step (wall time of the whole run minus a prefill-only run, over the
-decode steps), tok/s, ``ratio_to_baseline``, peak GPU memory, the policy's KV bytes, the
+Per run: decode ms/step (kvcompose: from the first decode step to the end; the baseline:
+wall time of the whole run minus a prefill-only run; over the decode steps), tok/s, ``ratio_to_baseline``, peak GPU memory, the policy's KV bytes, the
 share of eager steps (evictions, classifier refreshes) and their share of decode time
 (CUDA events per step), and the host's own milliseconds per replayed step.
 
@@ -179,6 +179,7 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args, save
     base.update(policy="transformers-static", scenario=scenario, ratio_to_baseline=1.0)
     rows.append(base)
     print(json.dumps(base), flush=True)
+    saved(rows)
     for name in names:
         policy = make_policy(name, budget, args.smoke)
         try:

@@ -223,7 +223,9 @@ def write_json(path: str | Path, data: dict) -> Path:
     """Write ``data`` as indented JSON, creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    partial = path.with_name(path.name + ".partial")  # a run killed mid-write leaves the old file whole
+    partial.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(partial, path)
     return path
 
 

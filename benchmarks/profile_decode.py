@@ -3,9 +3,9 @@
 The end-to-end benchmark gives one number per run; this splits it, so that the next change
 aims at the largest part. Per policy, at one batch:
 
-- **kernels**: GPU time per decode step by kernel, from ``torch.profiler`` over a run of
-  ``--new-tokens`` steps minus a prefill-only run (the static-shape path without CUDA
-  graphs: the kernels are those a replayed graph runs; only their launches differ).
+- **kernels**: GPU time per decode step by kernel, from ``torch.profiler``: a run of
+  ``--new-tokens`` more steps than a short one, minus the short one (the static-shape path
+  without CUDA graphs: the kernels are those a replayed graph runs; only launches differ).
 - **memory**: above the weights, the peak of a prefill-only run, the peak of the decode run
   (with graphs, as the benchmark runs), and the KV bytes the cache allocated and used;
   what is neither KV nor weights is activations, eviction scratch and graph pools.
@@ -29,9 +29,11 @@ from kvcompose.speed import random_prompts
 
 
 def kernel_times(model, policy, ids, mask, steps: int) -> dict[str, tuple[float, float]]:
-    """``{kernel: (calls per step, microseconds per step)}`` of the decode steps alone."""
-    run = _profiled(model, policy, ids, mask, steps + 1)
-    prefill = _profiled(model, policy, ids, mask, 1)
+    """``{kernel: (calls per step, microseconds per step)}`` of the decode steps alone: a run
+    of ``steps + 2`` new tokens minus one of 2 (the prefill, the stores' static capacity and
+    one decode step in both)."""
+    run = _profiled(model, policy, ids, mask, steps + 2)
+    prefill = _profiled(model, policy, ids, mask, 2)
     out = {}
     for name, (calls, us) in run.items():
         calls0, us0 = prefill.get(name, (0, 0.0))
@@ -118,8 +120,9 @@ def main(argv=None) -> int:
         records.append({"policy": name, "batch": args.batch, "prompt": prompt, "steps": args.new_tokens,
                         "ms_per_step": total / 1e3, "memory": mem,
                         "kernels": [{"name": k, "calls_per_step": c, "us_per_step": us} for k, (c, us) in top]})
-    if args.out:
-        write_json(args.out, {"benchmark": "decode step profile", "environment": environment(), "records": records})
+        if args.out:  # after every policy: a run cut off by a time limit keeps what it measured
+            write_json(args.out, {"benchmark": "decode step profile", "environment": environment(),
+                                  "records": records})
     return 0
 
 

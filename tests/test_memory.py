@@ -189,3 +189,26 @@ def test_the_query_window_holds_only_its_own_queries(llama):
         assert layer.queries.shape[2] == policy.query_window
         assert layer.queries.untyped_storage().nbytes() == layer.queries.numel() * layer.queries.element_size()
         assert layer.query_positions.untyped_storage().nbytes() == layer.query_positions.numel() * 8
+
+
+def test_a_deep_copy_of_a_cache_owns_its_parts(llama):
+    """copy.deepcopy of a prompt's cache (to reuse the prompt) gives a cache whose layers refer
+    to the copy, which decodes on alone exactly as the original would."""
+    import copy
+    import gc
+
+    from conftest import left_padded
+    from kvcompose import Policy
+
+    cache = Policy.from_preset("rkv", budget=32).make_cache(llama)
+    _, ids, mask = left_padded([9, 14])
+    with torch.no_grad():
+        out = llama(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        twin = copy.deepcopy(cache)
+        assert all(layer.cache is twin for layer in twin.layers)
+        step = dict(input_ids=out.logits[:, -1].argmax(-1, keepdim=True),
+                    attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], 1), use_cache=True)
+        want = llama(past_key_values=cache, **step).logits
+        del cache
+        gc.collect()
+        assert torch.equal(llama(past_key_values=twin, **step).logits, want)

@@ -1,10 +1,12 @@
 """Decode throughput of a policy against transformers' compiled static cache, on your model.
 
 What ``kvcompose bench`` and ``benchmarks/bench_e2e_gpu.py`` run. Both sides decode the
-same prompts greedily with EOS disabled; a run's decode time is its wall time minus that
-of a prefill-only run, over the decode steps. kvcompose decodes through the static-shape
-path (:func:`kvcompose.hf.static.fast_generate`, CUDA graphs on a GPU) after a warm-up
-that compiles every kernel the policy uses, eviction and refresh steps included.
+same prompts greedily with EOS disabled. Decode time: for kvcompose from the first decode
+step (after the prefill has finished on the device) to the end; for transformers the
+run's wall time minus that of a prefill-only run; either over the decode steps.
+kvcompose decodes through the static-shape path (:func:`kvcompose.hf.static.fast_generate`,
+CUDA graphs on a GPU) after a warm-up that compiles every kernel the policy uses,
+eviction and refresh steps included.
 
 At a fixed memory (:func:`fit_policy`, :func:`fit_transformers_static`) each side runs at
 the largest batch whose peak GPU memory, weights included, stays under a cap.
@@ -115,33 +117,37 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
         if warm_up:
             fast_generate(model, warm_up_policy(policy).make_cache(model), ids, mask, 40)
             fast_generate(model, policy.make_cache(model), ids, mask, 4)
-        prefill = timed(lambda: fast_generate(model, policy.make_cache(model), ids, mask, 1))
         gc.collect()  # nothing of the earlier runs may count in the timed run's peak
         _peak_reset()
         cache = policy.make_cache(model)
-        total = timed(lambda: fast_generate(model, cache, ids, mask, new, profile=profile,
-                                            reserve_new_tokens=reserve_new_tokens))
+        timed(lambda: fast_generate(model, cache, ids, mask, new, profile=profile,
+                                    reserve_new_tokens=reserve_new_tokens))
+        ended = time.perf_counter()
     finally:
         model.set_attn_implementation(previous)
+    decoder = cache.static_decoder  # None when no token followed the prefill's
     report = cache.report()
-    out = record(ids.shape[0], new, total - prefill, report.peak_kv_bytes, report.allocated_bytes)
+    out = record(ids.shape[0], new, ended - decoder.started if decoder else 0.0, report.peak_kv_bytes,
+                 report.allocated_bytes)
     summary = cache.static_decoder.summary() if cache.static_decoder is not None else {"eager_steps": 0, "replays": 0}
     evicting = summary["eager_steps"] + summary.get("eviction_steps", 0)
-    special = evicting + summary.get("refresh_steps", 0)
     out.update(eager_steps=summary["eager_steps"], eviction_steps=summary.get("eviction_steps", 0),
                refresh_steps=summary.get("refresh_steps", 0), replays=summary["replays"],
                eviction_call_rate=evicting / max(new - 1, 1))
     ms = summary.get("ms_by_kind")
     if ms:
-        step_ms = ms.get("replay", 0.0) / max(summary["replays"], 1)
-        decode_ms = max(sum(ms.values()), 1e-9)
-        special_ms = ms.get("eager", 0.0) + ms.get("evict", 0.0) + ms.get("refresh", 0.0)
+        steps = summary["steps_by_kind"]
+        step_ms = ms.get("replay", 0.0) / max(steps.get("replay", 0), 1)
+        # the one-time work (each graph's eager warm-up and its capture) is left out
+        decode_ms = max(sum(ms.values()) - ms.get("capture", 0.0) - ms.get("warm-up", 0.0), 1e-9)
+        kinds = ("eager", "evict", "refresh")
+        special_ms = sum(ms.get(k, 0.0) for k in kinds)
         out.update(
             # decode time of the eager, eviction and refresh steps beyond what a plain replayed
             # step costs: evictions + refreshes
-            eviction_share=max(0.0, special_ms - special * step_ms) / decode_ms,
+            eviction_share=max(0.0, special_ms - sum(steps.get(k, 0) for k in kinds) * step_ms) / decode_ms,
             eager_share=ms.get("eager", 0.0) / decode_ms,
-            evict_ms_per_step=ms.get("evict", 0.0) / max(summary.get("eviction_steps", 0), 1),
+            evict_ms_per_step=ms.get("evict", 0.0) / max(steps.get("evict", 0), 1),
             replay_gpu_ms=step_ms, host_ms_per_replay=summary["host_ms_per_replay"],
             host_share=summary["host_ms_per_replay"] / max(step_ms, 1e-9),
         )

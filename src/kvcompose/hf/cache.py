@@ -11,6 +11,7 @@ empty with every new cache.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import torch
@@ -317,6 +318,19 @@ class KVComposeCache(Cache):
         self.observers: list = []
         super().__init__(layers=[KVComposeLayer(self, i) for i in range(num_layers)])
         self._start()
+
+    def __deepcopy__(self, memo) -> "KVComposeCache":
+        """A copy (say, of a prompt's cache to reuse) whose layers and sharing tracker belong to
+        the copy: they refer to their cache weakly, and a weak reference copies as itself.
+        The static decoder of a finished run is not copied (it holds the model)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        memo[id(self.static_decoder)] = None
+        new.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
+        for part in (*new.layers, new.sharing):
+            if part is not None:
+                part.cache = new
+        return new
 
     def _start(self) -> None:
         self.timer = PhaseTimer()  # seconds per phase, when timing is on (time_phases)

@@ -138,6 +138,7 @@ class StaticDecoder:
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._host_s = 0.0
         self._host_steps = 0
+        self.started = time.perf_counter()  # the prefill is done on the device (fast_generate read its flags)
         self.replay_call_s = 0.0
 
     def _forward(self) -> torch.Tensor:
@@ -162,6 +163,7 @@ class StaticDecoder:
         self.cache.step_plan = plan
         key = plan.graph_key
         replay = not plan.eager and self.graphs and key in self.warm
+        first = False
         if not replay:
             if not plan.eager:
                 self.warm.add(key)
@@ -169,7 +171,7 @@ class StaticDecoder:
             logits = self._forward()
         else:
             first = key not in self.captured
-            if first:
+            if first:  # capturing, then replaying: one-time work, timed apart from the replays
                 self.captured[key] = self._capture()
             graph, logits = self.captured[key]
             issued = time.perf_counter()
@@ -179,7 +181,7 @@ class StaticDecoder:
             # not on the one that captured the graph: that is one-time work, like compiling
             if plain and not first:
                 self.replay_call_s = time.perf_counter() - issued
-            self.replays += plain
+            self.replays += plain and not first
         self.eviction_steps += plan.evict
         self.refresh_steps += plan.refresh and not plan.evict
         self.positions += 1
@@ -187,8 +189,8 @@ class StaticDecoder:
         if self.profile:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
-            kind = ("eager" if plan.eager else "evict" if plan.evict else "refresh" if plan.refresh
-                    else "replay" if replay else "warm-up")
+            kind = ("eager" if plan.eager else "capture" if first else "evict" if plan.evict
+                    else "refresh" if plan.refresh else "replay" if replay else "warm-up")
             self._events.append((kind, began, ended))
         return logits
 
@@ -199,18 +201,22 @@ class StaticDecoder:
             self._host_steps += 1
 
     def summary(self) -> dict:
-        """Steps by kind and, when profiling, milliseconds of decode time by kind (eager: the
-        steps where the policy refreshes or evicts outside a graph; evict and refresh: the
-        scheduled eviction steps and the refresh steps without one, replayed once captured) and
-        host milliseconds per replayed plain step (not counting the step that captured its graph)."""
+        """Steps by kind and, when profiling, milliseconds of decode time and steps by kind
+        (eager: the steps where the policy refreshes or evicts outside a graph; evict and
+        refresh: the scheduled eviction steps and the refresh steps without one, replayed;
+        capture: the first replay of each graph, which captures it first; warm-up: the eager
+        run of each graph before its capture) and host milliseconds per replayed plain step."""
         out = {"eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps,
                "refresh_steps": self.refresh_steps, "replays": self.replays}
         if self.profile and self._events:
             torch.cuda.synchronize()
             ms: dict[str, float] = {}
+            steps: dict[str, int] = {}
             for kind, began, ended in self._events:
                 ms[kind] = ms.get(kind, 0.0) + began.elapsed_time(ended)
+                steps[kind] = steps.get(kind, 0) + 1
             out["ms_by_kind"] = ms
+            out["steps_by_kind"] = steps
             out["host_ms_per_replay"] = 1e3 * self._host_s / max(self._host_steps, 1)
         return out
 

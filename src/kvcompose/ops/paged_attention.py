@@ -354,18 +354,20 @@ def _kivi_key_scores(q0, q1, q2, q3, codes_ptr, scale_ptr, min_ptr, table_ptr, r
     s = tl.zeros([GP, N], tl.float32)
     for b in tl.static_range(N // SUB):
         first = t0 + b * SUB  # the run's first token: its block gives the run's token group
-        blk = tl.load(table_ptr + row * W + first // BS, mask=first < end, other=0).to(tl.int64)
-        at = ((tl.maximum(blk * BS + first % BS, 0) // TG) * H + head) * D + PER * i  # a missing block reads group 0
-        sb, bias = _kivi_run(q0, c0, scale_ptr, min_ptr, at, 0, OUT, NATIVE, PREC)
+        blk = tl.load(table_ptr + row * W + first // BS, mask=first < end, other=-1).to(tl.int64)
+        live = (first < end) & (blk >= 0)  # else the run's tokens are all masked: read no scales
+        here = tl.full([DQ], 1, tl.int1) & live
+        at = ((tl.maximum(blk * BS + first % BS, 0) // TG) * H + head) * D + PER * i
+        sb, bias = _kivi_run(q0, c0, scale_ptr, min_ptr, at, here, 0, OUT, NATIVE, PREC)
         if PER > 1:
-            part, lift = _kivi_run(q1, c1, scale_ptr, min_ptr, at, 1, OUT, NATIVE, PREC)
+            part, lift = _kivi_run(q1, c1, scale_ptr, min_ptr, at, here, 1, OUT, NATIVE, PREC)
             sb += part
             bias += lift
         if PER > 2:
-            part, lift = _kivi_run(q2, c2, scale_ptr, min_ptr, at, 2, OUT, NATIVE, PREC)
+            part, lift = _kivi_run(q2, c2, scale_ptr, min_ptr, at, here, 2, OUT, NATIVE, PREC)
             sb += part
             bias += lift
-            part, lift = _kivi_run(q3, c3, scale_ptr, min_ptr, at, 3, OUT, NATIVE, PREC)
+            part, lift = _kivi_run(q3, c3, scale_ptr, min_ptr, at, here, 3, OUT, NATIVE, PREC)
             sb += part
             bias += lift
         s = tl.where((run == b)[None, :], sb + bias[:, None], s)
@@ -373,12 +375,12 @@ def _kivi_key_scores(q0, q1, q2, q3, codes_ptr, scale_ptr, min_ptr, table_ptr, r
 
 
 @jit
-def _kivi_run(q, c, scale_ptr, min_ptr, at, j: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr,
+def _kivi_run(q, c, scale_ptr, min_ptr, at, here, j: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr,
               PREC: tl.constexpr):
     """Part ``j`` of one run: its scores ``(q * scale) . codes`` ``[GP, N]`` and bias ``q . min`` ``[GP]``."""
     qf = q.to(tl.float32)
-    qs = _operand(qf * tl.load(scale_ptr + at + j).to(tl.float32)[None, :], False, OUT, NATIVE)
-    lift = tl.sum(qf * tl.load(min_ptr + at + j).to(tl.float32)[None, :], 1)
+    qs = _operand(qf * tl.load(scale_ptr + at + j, mask=here, other=0.0).to(tl.float32)[None, :], False, OUT, NATIVE)
+    lift = tl.sum(qf * tl.load(min_ptr + at + j, mask=here, other=0.0).to(tl.float32)[None, :], 1)
     return tl.dot(qs, tl.trans(c), input_precision=PREC), lift
 
 
