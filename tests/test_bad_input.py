@@ -530,7 +530,7 @@ CASES = [
     Case("nan-fullkv", _nan_keys("fullkv"), ValueError, NAN),
     Case("nan-fp8", _nan_keys("fp8"), ValueError, NAN),
     Case("generate-with-cache", lambda m: _generate(past_key_values=None)(m), ValueError,
-         "policy.generate makes its own cache; do not pass past_key_values"),
+         "policy.generate makes its own cache; do not pass cache (or past_key_values)"),
     Case("generate-prompts", lambda m: _generate(prompts=[])(m), ValueError,
          "prompts must be a non-empty list of strings, got []"),
     Case("generate-fast-sampling", lambda m: _generate(fast=True, do_sample=True)(m), ValueError,

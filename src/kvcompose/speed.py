@@ -21,6 +21,7 @@ import traceback
 
 import torch
 
+from .hf.compat import cache_kwargs
 from .hf.static import fast_generate
 from .policies import Policy
 
@@ -72,7 +73,7 @@ def time_transformers_static(model, ids: torch.Tensor, mask: torch.Tensor, new: 
     def generate(n):
         cache.reset()
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None)
+                              do_sample=False, pad_token_id=0, eos_token_id=None, **cache_kwargs(model, cache))
 
     try:
         generate(new)

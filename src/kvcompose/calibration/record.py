@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..hf.attention import ATTENTION_NAME
+from ..hf.compat import cache_kwargs
 from ..hf.generate import _eos_ids, encode_prompts
 from ..ops.sparsity import attention_sparsity
 from .fit import calibrate
@@ -141,7 +142,7 @@ def collect_sparsity(
             ticker = _TokenProgress(bar)
             with torch.inference_mode():
                 out = model.generate(
-                    **enc, past_key_values=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                    **enc, **cache_kwargs(model, cache), max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                     do_sample=False, pad_token_id=tokenizer.pad_token_id,
                     logits_processor=LogitsProcessorList([ticker]),
                 )

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..hf.compat import cache_kwargs, returned_cache
+
 TRAJECTORY_ATTENTION = "sdpa"
 
 
@@ -79,9 +81,9 @@ def attention(model, name: str):
 def forward_step(model, ids: torch.Tensor, mask: torch.Tensor, cache):
     """One forward of the new columns ``ids``; positions count real tokens only (as ``generate`` does)."""
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache),
                 use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1], out.past_key_values
+    return out.logits[:, -1], returned_cache(out)
 
 
 def next_input(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

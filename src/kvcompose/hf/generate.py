@@ -8,6 +8,7 @@ import torch
 
 from ..report import Report
 from .attention import ATTENTION_NAME
+from .compat import cache_kwargs
 
 
 @dataclass
@@ -71,8 +72,8 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
     states memory against (see :mod:`kvcompose.report`). Extra keyword arguments go to
     ``model.generate``.
     """
-    if "past_key_values" in generate_kwargs:
-        raise ValueError("policy.generate makes its own cache; do not pass past_key_values")
+    if "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
+        raise ValueError("policy.generate makes its own cache; do not pass cache (or past_key_values)")
     enc = encode_prompts(tokenizer, prompts, chat).to(model.device)
     greedy = not generate_kwargs.get("do_sample", getattr(model.generation_config, "do_sample", False))
     other = sorted(set(generate_kwargs) - FAST_KWARGS - {"do_sample"})
@@ -114,7 +115,7 @@ def _eager(model, tokenizer, cache, enc, max_new_tokens, progress, generate_kwar
         generate_kwargs["streamer"] = cache.token_streamer(enc["attention_mask"], then=generate_kwargs.get("streamer"))
     with torch.inference_mode():
         out = model.generate(
-            **enc, past_key_values=cache, max_new_tokens=max_new_tokens,
+            **enc, **cache_kwargs(model, cache), max_new_tokens=max_new_tokens,
             logits_processor=processors, **generate_kwargs,
         )
     processors[-1].bar.close()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..triggers import TriggerInput
+from .compat import cache_kwargs
 from .model_check import check_model
 from .owner import OwningCache
 
@@ -143,7 +144,7 @@ class StaticDecoder:
 
     def _forward(self) -> torch.Tensor:
         out = self.model(input_ids=self.ids, position_ids=self.positions, cache_position=self.cache_position,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **cache_kwargs(self.model, self.cache))
         return out.logits[:, -1]
 
     def begin_step(self) -> None:
@@ -268,7 +269,7 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
     if eos is not None and pad_token_id is None:
         raise ValueError("pad_token_id is needed with eos_token_id (rows that finished continue with it)")
     with torch.inference_mode():
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache),
                     use_cache=True, logits_to_keep=1)
         tokens = [out.logits[:, -1].argmax(-1)]
         cache.check_errors()
