@@ -213,3 +213,21 @@ def test_non_finite_keys_raise_the_same_error_for_every_preset(preset):
     with pytest.raises(ValueError, match="^layer 1: the model produced NaN/inf keys or values"):
         greedy(model, ids, mask, 3, cache=cache)
     cache.check_errors()  # raised once: nothing left pending
+
+
+def test_the_cache_goes_by_the_name_the_model_takes():
+    """transformers renamed past_key_values to cache; kvcompose passes whichever forward takes."""
+    from types import SimpleNamespace
+
+    from kvcompose.hf.compat import cache_kwargs, returned_cache
+
+    class Renamed:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Before:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    assert cache_kwargs(Renamed(), "c") == {"cache": "c"}
+    assert cache_kwargs(Before(), "c") == {"past_key_values": "c"}
+    assert returned_cache(SimpleNamespace(cache="new", past_key_values="old")) == "new"
+    assert returned_cache(SimpleNamespace(past_key_values="old")) == "old"
