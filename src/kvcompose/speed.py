@@ -130,7 +130,7 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     report = cache.report()
     out = record(ids.shape[0], new, ended - decoder.started if decoder else 0.0, report.peak_kv_bytes,
                  report.allocated_bytes)
-    summary = cache.static_decoder.summary() if cache.static_decoder is not None else {"eager_steps": 0, "replays": 0}
+    summary = decoder.summary() if decoder is not None else {"eager_steps": 0, "replays": 0}
     evicting = summary["eager_steps"] + summary.get("eviction_steps", 0)
     out.update(eager_steps=summary["eager_steps"], eviction_steps=summary.get("eviction_steps", 0),
                refresh_steps=summary.get("refresh_steps", 0), replays=summary["replays"],
@@ -138,7 +138,7 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     ms = summary.get("ms_by_kind")
     if ms:
         steps = summary["steps_by_kind"]
-        step_ms = ms.get("replay", 0.0) / max(steps.get("replay", 0), 1)
+        step_ms = ms.get("replay", 0.0) / max(summary["replays"], 1)
         # the one-time work (each graph's eager warm-up and its capture) is left out
         decode_ms = max(sum(ms.values()) - ms.get("capture", 0.0) - ms.get("warm-up", 0.0), 1e-9)
         kinds = ("eager", "evict", "refresh")

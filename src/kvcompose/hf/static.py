@@ -133,12 +133,11 @@ class StaticDecoder:
         self.eager_steps = 0
         self.eviction_steps = 0  # scheduled eviction steps (replayed once captured; refreshes included)
         self.refresh_steps = 0  # scheduled refresh steps without an eviction (replayed once captured)
-        self.replays = 0  # replays of plain decode steps
+        self.replays = 0  # replays of plain decode steps (not the ones that captured their graph)
         # profile (CUDA): events around every step by kind, and the host's own time per replayed step
         self.profile = profile
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._host_s = 0.0
-        self._host_steps = 0
         self.started = time.perf_counter()  # the prefill is done on the device (fast_generate read its flags)
         self.replay_call_s = 0.0
 
@@ -177,12 +176,12 @@ class StaticDecoder:
             graph, logits = self.captured[key]
             issued = time.perf_counter()
             graph.replay()
-            plain = not (plan.evict or plan.refresh)
-            # host time is measured on plain steps (an eviction step waits for the device),
-            # not on the one that captured the graph: that is one-time work, like compiling
-            if plain and not first:
+            # host time is measured on plain replays (an eviction step waits for the device),
+            # not on the step that captured the graph: that is one-time work, like compiling
+            plain = not (plan.evict or plan.refresh or first)
+            if plain:
                 self.replay_call_s = time.perf_counter() - issued
-            self.replays += plain and not first
+            self.replays += plain
         self.eviction_steps += plan.evict
         self.refresh_steps += plan.refresh and not plan.evict
         self.positions += 1
@@ -199,7 +198,6 @@ class StaticDecoder:
         """Profiling: the host's wall time for one whole step (its replay call is taken out)."""
         if self.replay_call_s:
             self._host_s += seconds - self.replay_call_s
-            self._host_steps += 1
 
     def summary(self) -> dict:
         """Steps by kind and, when profiling, milliseconds of decode time and steps by kind
@@ -218,7 +216,7 @@ class StaticDecoder:
                 steps[kind] = steps.get(kind, 0) + 1
             out["ms_by_kind"] = ms
             out["steps_by_kind"] = steps
-            out["host_ms_per_replay"] = 1e3 * self._host_s / max(self._host_steps, 1)
+            out["host_ms_per_replay"] = 1e3 * self._host_s / max(self.replays, 1)
         return out
 
     def release_graphs(self) -> None:
