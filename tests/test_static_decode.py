@@ -221,10 +221,11 @@ def test_cuda_host_time_leaves_out_the_graph_capture(monkeypatch):
     monkeypatch.setattr(static.StaticDecoder, "_capture", lambda self: time.sleep(0.5) or capture(self))
     _, ids, mask = left_padded([9, 14])
     cache = Policy.from_preset("fullkv").make_cache(model)
-    fast_generate(model, cache, ids.cuda(), mask.cuda(), 12, profile=True)
+    fast_generate(model, cache, ids.cuda(), mask.cuda(), 24, profile=True)
     summary = cache.static_decoder.summary()
-    assert summary["replays"] >= 8
-    assert summary["host_ms_per_replay"] < 50  # the capture's 500 ms over <= 10 replays would give >= 50
+    replays = summary["replays"]  # 23 steps less warm-ups, captures and the buffer flushes' own graph
+    assert replays >= 10
+    assert summary["host_ms_per_replay"] < 250 / replays  # half of what the capture's 500 ms would add
 
 
 def test_speed_measures_both_sides_on_cpu(llama):

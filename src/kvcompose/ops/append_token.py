@@ -86,10 +86,9 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, buf_k: torch.Tensor, 
     cls = cls.contiguous()  # the kernel reads one class per row at unit stride
     extra = [t for name, t in meta.items() if name not in FIXED_CHANNELS]
     if extra:  # float slot channels (h2o's mass): 0 at the slot the kernel writes
-        at = buf_len.clamp(max=cap - 1)
-        rows = torch.arange(B, device=keys.device)
-        for t in extra:
-            t[rows, at] = 0
+        at = buf_len.clamp(max=cap - 1)[:, None]
+        for t in extra:  # a scalar fill: `t[rows, at] = 0` copies a host tensor, which a graph capture refuses
+            t.scatter_(1, at, 0.0)
     _append_token_kernel[(B,)](
         keys, values, keys.stride(0), keys.stride(1), keys.stride(3), values.stride(0), values.stride(1),
         values.stride(3), buf_k, buf_v, buf_len, tokens_seen, column, positions, cls, meta["pos"],
