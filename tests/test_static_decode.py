@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import char_tokenizer, greedy, left_padded
-from sync_guard import HostSyncError, no_host_sync
+from sync_guard import HostSyncError, forced_step_kernels, no_host_sync
 from kvcompose import Policy
 from kvcompose.hf.static import Schedule, fast_generate, static_capacity
 
@@ -182,6 +182,36 @@ def test_policy_generate_fast_matches_eager_and_refuses_sampling(llama):
     assert a.report.evictions == b.report.evictions
     with pytest.raises(ValueError, match="fast=False"):
         policy.generate(llama, tok, ["abc"], max_new_tokens=4, fast=True, do_sample=True)
+
+
+@pytest.mark.parametrize("preset", ["h2o", "kivi2", "rkv", "thinkv"])
+def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(preset, monkeypatch):
+    """The host code around the per-step kernels (on CPU it only runs with the kernels forced
+    into the interpreter) is what a CUDA graph captures too: it must not copy host data or
+    synchronize. The tokens match the references' run."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcompose.hf import static
+
+    torch.manual_seed(0)  # head dim 64: the kernels take every format
+    config = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("kvcompose")
+    policy = Policy.from_preset(preset, **POLICIES[preset])
+    _, ids, mask = left_padded([20, 13, 31])
+    expected = fast_generate(model, policy.make_cache(model), ids, mask, 20)
+    forward = static.StaticDecoder._forward
+
+    def guarded(self):
+        if self.cache.step_plan.eager:
+            return forward(self)
+        with no_host_sync():
+            return forward(self)
+
+    monkeypatch.setattr(static.StaticDecoder, "_forward", guarded)
+    forced_step_kernels(monkeypatch)
+    assert torch.equal(fast_generate(model, policy.make_cache(model), ids, mask, 20), expected)
 
 
 @pytest.mark.gpu
