@@ -6,6 +6,8 @@ aims at the largest part. Per policy, at one batch:
 - **kernels**: GPU time per decode step by kernel, from ``torch.profiler``: a run of
   ``--new-tokens`` more steps than a short one, minus the short one (the static-shape path
   without CUDA graphs: the kernels are those a replayed graph runs; only launches differ).
+- **replayed step**: the GPU time of one replayed plain step with CUDA graphs; beyond the
+  kernels' own time it holds the gaps between them.
 - **memory**: above the weights, the peak of a prefill-only run, the peak of the decode run
   (with graphs, as the benchmark runs), and the KV bytes the cache allocated and used;
   what is neither KV nor weights is activations, eviction scratch and graph pools.
@@ -61,6 +63,17 @@ def _profiled(model, policy, ids, mask, new: int) -> dict[str, tuple[int, float]
     return {k: (c, us) for k, (c, us) in totals.items()}
 
 
+def replayed_step_ms(model, policy, ids, mask, steps: int) -> float | None:
+    """GPU milliseconds of one replayed plain step (CUDA graphs, as the benchmark runs): against
+    the kernels' own time, the difference is what the step spends between its kernels."""
+    if not ids.is_cuda:
+        return None
+    cache = policy.make_cache(model)
+    fast_generate(model, cache, ids, mask, steps + 2, profile=True)
+    summary = cache.static_decoder.summary()
+    return summary["ms_by_kind"].get("replay", 0.0) / max(summary["replays"], 1)
+
+
 def memory(model, policy, ids, mask, steps: int, reserve: int | None) -> dict:
     """GiB above the weights: prefill peak, decode peak, KV allocated and in use."""
     if not ids.is_cuda:
@@ -114,11 +127,15 @@ def main(argv=None) -> int:
         print(f"\n{name}, batch {args.batch}: {total / 1e3:.2f} ms of {'kernels' if device == 'cuda' else 'CPU operators'}"
               " per decode step", flush=True)
         print(format_table(["kernel" if device == "cuda" else "operator", "calls/step", "us/step", "%"], rows))
+        replay = replayed_step_ms(model, policy, ids, mask, args.new_tokens)
+        if replay is not None:
+            print(f"replayed step {replay:.2f} ms: {replay - total / 1e3:.2f} ms more than its kernels", flush=True)
         mem = memory(model, policy, ids, mask, args.new_tokens, args.reserve)
         if mem:
             print(" ".join(f"{k} {v:.2f}" for k, v in mem.items()), flush=True)
         records.append({"policy": name, "batch": args.batch, "prompt": prompt, "steps": args.new_tokens,
                         "ms_per_step": total / 1e3, "memory": mem,
+                        **({} if replay is None else {"replay_ms_per_step": replay}),
                         "kernels": [{"name": k, "calls_per_step": c, "us_per_step": us} for k, (c, us) in top]})
         if args.out:  # after every policy: a run cut off by a time limit keeps what it measured
             write_json(args.out, {"benchmark": "decode step profile", "environment": environment(),

@@ -9,6 +9,7 @@ Run after adding or re-running a benchmark so the docs never drift from the JSON
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -246,6 +247,55 @@ def sharing(lines: list[str]) -> None:
                      "scan-only ms", "share ms per layer call"], rows) + [""]
 
 
+def kernel_label(name: str) -> str:
+    """A short label for a CUDA kernel's signature: its name and the functors in its template."""
+    name = name.replace("(anonymous namespace)::", "")
+    cut = min([i for i in (name.find("<"), name.find("(")) if i >= 0], default=len(name))
+    base = name[:cut].replace("void ", "").split("::")[-1].strip()
+    tags = []
+    for tag in re.findall(r"(\w+(?:Functor|Ops)\w*|\w+_kernel_cuda|Cat\w+Copy)", name[cut:]):
+        if tag not in tags and tag != base:
+            tags.append(tag)
+    dtype = re.search(r"\b(BFloat16|Half|float)\b", name[cut:])
+    tags = tags[:2] + ([{"BFloat16": "bf16", "Half": "fp16", "float": "fp32"}[dtype.group(1)]] if dtype else [])
+    return base + (f" [{', '.join(tags)}]" if tags else "")
+
+
+def decode_profile(lines: list[str]) -> None:
+    data = _load("profile_decode_gpu.json")
+    if not data:
+        return
+    recs = data["records"]
+    r0 = recs[0]
+    lines += ["## Where a decode step goes", "", f"`profile_decode_gpu.json` — {_env(data)}", "",
+              f"`benchmarks/profile_decode.py`: GPU time per decode step by kernel (torch.profiler), batch "
+              f"{r0['batch']}, prompt {r0['prompt']}, {r0['steps']} decode steps (a run of that many more steps "
+              "minus a short one), the static-shape path without CUDA graphs (the kernels a replayed graph runs), "
+              "random Llama-3-8B-shaped weights in bf16. `nvjet_*` are cuBLAS GEMMs (the weights), "
+              "`_paged_partial_kernel` the fused attention, the `at::native` kernels mostly the model's own "
+              "RMSNorm, rotary, SiLU and residual code. " + data.get("notes", ""), ""]
+    totals = [[r["policy"], f"{r['ms_per_step']:.2f}"] + ([f"{r['replay_ms_per_step']:.2f}"]
+              if "replay_ms_per_step" in r else []) for r in recs]
+    lines += _table(["policy", "kernel ms per step"] + (["replayed step ms"] if "replay_ms_per_step" in r0 else []),
+                    totals) + [""]
+    names: list[str] = []
+    for r in recs:
+        names += [k["name"] for k in r["kernels"] if k["name"] not in names]
+    us = [{k["name"]: k for k in r["kernels"]} for r in recs]
+
+    def cell(table, name):
+        k = table.get(name)
+        return f"{k['us_per_step']:.0f} ({k['calls_per_step']:.0f})" if k else ""
+
+    rows = [[f"`{kernel_label(name)}`"] + [cell(t, name) for t in us] for name in names]
+    lines += _table(["kernel"] + [f"{r['policy']} µs (calls)" for r in recs], rows) + [""]
+    mem = [[r["policy"]] + [f"{v:.2f}" for v in r["memory"].values()] for r in recs if r.get("memory")]
+    if mem:
+        keys = [k.replace("_gib", "") for k in next(r["memory"] for r in recs if r.get("memory"))]
+        lines += ["Memory (GiB; *other* is decode peak above the weights less the KV allocation):", ""]
+        lines += _table(["policy"] + keys, mem) + [""]
+
+
 def render() -> dict[Path, str]:
     """Every generated file and its text."""
     lines = ["# Benchmark results", "",
@@ -253,7 +303,7 @@ def render() -> dict[Path, str]:
              ""]
     figures: dict[Path, str] = {}
     e2e(lines, figures)
-    for section in (attention, quant, eviction, redundancy, thinkv, thinkv_ops, sharing):
+    for section in (attention, decode_profile, quant, eviction, redundancy, thinkv, thinkv_ops, sharing):
         section(lines)
     return {OUT: "\n".join(lines), **figures}
 
