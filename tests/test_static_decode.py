@@ -120,11 +120,9 @@ def test_sync_guard_refuses_host_reads():
         t[t.clamp(max=2)] = t.flip(0)  # tensor values through tensor indices are fine
 
 
-@pytest.mark.parametrize("preset", sorted(POLICIES))
-def test_steps_between_eager_ones_never_read_the_device(llama, preset, monkeypatch):
-    """What CUDA graph capture needs, checked on CPU: no host synchronization in the steps that
-    the GPU replays (every preset; eager steps may synchronize, and no built-in preset has any:
-    evictions and classifier refreshes are scheduled inside the steps)."""
+def guard_replayed_steps(monkeypatch) -> None:
+    """Run every step that the GPU would replay from a graph (not the eager ones) under
+    :func:`no_host_sync`."""
     from kvcompose.hf import static
 
     forward = static.StaticDecoder._forward
@@ -136,6 +134,26 @@ def test_steps_between_eager_ones_never_read_the_device(llama, preset, monkeypat
             return forward(self)
 
     monkeypatch.setattr(static.StaticDecoder, "_forward", guarded)
+
+
+def head_dim_64_llama(device: str = "cpu"):
+    """A 2-layer random Llama with head dim 64, where the compiled kernels take every format."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config).to(device).eval()
+    model.set_attn_implementation("kvcompose")
+    return model
+
+
+@pytest.mark.parametrize("preset", sorted(POLICIES))
+def test_steps_between_eager_ones_never_read_the_device(llama, preset, monkeypatch):
+    """What CUDA graph capture needs, checked on CPU: no host synchronization in the steps that
+    the GPU replays (every preset; eager steps may synchronize, and no built-in preset has any:
+    evictions and classifier refreshes are scheduled inside the steps)."""
+    guard_replayed_steps(monkeypatch)
     policy = Policy.from_preset(preset, **POLICIES[preset])
     _, ids, mask = left_padded([20, 13, 31])
     cache = policy.make_cache(llama)
@@ -189,27 +207,11 @@ def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(pres
     """The host code around the per-step kernels (on CPU it only runs with the kernels forced
     into the interpreter) is what a CUDA graph captures too: it must not copy host data or
     synchronize. The tokens match the references' run."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvcompose.hf import static
-
-    torch.manual_seed(0)  # head dim 64: the kernels take every format
-    config = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("kvcompose")
+    model = head_dim_64_llama()
     policy = Policy.from_preset(preset, **POLICIES[preset])
     _, ids, mask = left_padded([20, 13, 31])
     expected = fast_generate(model, policy.make_cache(model), ids, mask, 20)
-    forward = static.StaticDecoder._forward
-
-    def guarded(self):
-        if self.cache.step_plan.eager:
-            return forward(self)
-        with no_host_sync():
-            return forward(self)
-
-    monkeypatch.setattr(static.StaticDecoder, "_forward", guarded)
+    guard_replayed_steps(monkeypatch)
     forced_step_kernels(monkeypatch)
     assert torch.equal(fast_generate(model, policy.make_cache(model), ids, mask, 20), expected)
 
@@ -217,13 +219,7 @@ def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(pres
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["fullkv", "nvfp4", "rkv", "thinkv", "streamingllm", "h2o"])
 def test_graph_replay_gives_the_eager_static_tokens(preset):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)  # head dim 64: the compiled kernel takes every format (>= 16 channels per code position)
-    config = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(config).cuda().eval()
-    model.set_attn_implementation("kvcompose")
+    model = head_dim_64_llama("cuda")
     policy = Policy.from_preset(preset, **POLICIES[preset])
     _, ids, mask = left_padded([20, 13, 31])
     ids, mask = ids.cuda(), mask.cuda()
