@@ -84,3 +84,38 @@ def test_bad_shapes_and_metadata_are_named():
         run(state, keys, keys, torch.zeros(B, dtype=torch.long), "torch")
     with pytest.raises(ValueError, match=r"classes of shape \(3,\)"):
         run(make_state(torch.float32, False), keys, keys, torch.zeros(3, dtype=torch.long), "torch")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_query_ring_takes_the_step_query_at_slot_column_mod_window(backend):
+    g = torch.Generator().manual_seed(3)
+    Hq, W = 4, 3
+    state = make_state(torch.bfloat16, False)
+    ring_q = torch.randn(B, Hq, W, D, generator=g).to(torch.bfloat16)
+    ring_pos = torch.randint(0, 9, (B, W), generator=g)
+    query = torch.randn(B, 1, Hq, D, generator=g).to(torch.bfloat16).transpose(1, 2)  # a view, as models pass it
+    keys, values = torch.randn(2, B, H, 1, D, generator=g).to(torch.bfloat16)
+    want_q, want_pos = ring_q.clone(), ring_pos.clone()
+    want_q[:, :, 17 % W] = query[:, :, 0]
+    want_pos[:, 17 % W] = 17
+    s = copy.deepcopy(state)
+    append_token(keys, values, s["buf_k"], s["buf_v"], s["meta"], s["buf_len"], s["tokens_seen"], s["column"],
+                 torch.zeros(B, dtype=torch.long), s["overflow"], s["nonfinite"], ring=(query, ring_q, ring_pos),
+                 backend=backend)
+    assert torch.equal(ring_q, want_q) and torch.equal(ring_pos, want_pos)
+    _, plain = run(state, keys, values, torch.zeros(B, dtype=torch.long), backend)
+    assert_same(s, plain)  # the ring changes nothing else
+
+
+def test_a_bad_query_ring_is_named():
+    state = make_state(torch.float32, False)
+    keys = torch.randn(B, H, 1, D)
+    ring_q, ring_pos = torch.zeros(B, 4, 3, D), torch.zeros(B, 3, dtype=torch.long)
+    args = (keys, keys, state["buf_k"], state["buf_v"], state["meta"], state["buf_len"], state["tokens_seen"],
+            state["column"], torch.zeros(B, dtype=torch.long), state["overflow"], state["nonfinite"])
+    with pytest.raises(ValueError, match=r"query of shape \(4, 4, 2, 8\)"):
+        append_token(*args, ring=(torch.zeros(B, 4, 2, D), ring_q, ring_pos))
+    with pytest.raises(ValueError, match="ring positions"):
+        append_token(*args, ring=(torch.zeros(B, 4, 1, D), ring_q, ring_pos.int()))
+    with pytest.raises(ValueError, match="contiguous"):
+        append_token(*args, ring=(torch.zeros(B, 4, 1, D), ring_q.transpose(2, 3), ring_pos))

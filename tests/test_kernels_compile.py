@@ -88,12 +88,17 @@ from kvcompose.ops import append_token as a
 
 count = 0
 for dtype in ("bf16", "fp16", "fp32"):
-    sig = {{"k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "ksb": "i64", "ksh": "i64", "ksd": "i64", "vsb": "i64",
-            "vsh": "i64", "vsd": "i64", "bk_ptr": "*" + dtype, "bv_ptr": "*" + dtype, "len_ptr": "*i64",
-            "seen_ptr": "*i64", "column_ptr": "*i64", "positions_ptr": "*i64", "cls_in_ptr": "*i64",
-            "bpos_ptr": "*i64", "bvalid_ptr": "*u8", "bcls_ptr": "*i64", "overflow_ptr": "*i32", "nonfinite_ptr": "*i32"}}
-    compile_for_hopper(a._append_token_kernel, sig, dict(CAP=144, H=8, D=128, HD_P=1024), 4)
-    count += 1
+    for ring in (False, True):  # with the query ring of policies that score with recent queries
+        sig = {{"k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "ksb": "i64", "ksh": "i64", "ksd": "i64", "vsb": "i64",
+                "vsh": "i64", "vsd": "i64", "bk_ptr": "*" + dtype, "bv_ptr": "*" + dtype, "len_ptr": "*i64",
+                "seen_ptr": "*i64", "column_ptr": "*i64", "positions_ptr": "*i64", "cls_in_ptr": "*i64",
+                "bpos_ptr": "*i64", "bvalid_ptr": "*u8", "bcls_ptr": "*i64", "overflow_ptr": "*i32",
+                "nonfinite_ptr": "*i32", "q_ptr": "*" + dtype, "qsb": "i64", "qsh": "i64", "qsd": "i64",
+                "ring_q_ptr": "*" + dtype, "ring_pos_ptr": "*i64"}}
+        consts = dict(CAP=144, H=8, D=128, HD_P=1024, RING=ring, W=8 if ring else 1, HQ=32 if ring else 1,
+                      QD_P=4096 if ring else 1)
+        compile_for_hopper(a._append_token_kernel, sig, consts, 4)
+        count += 1
 print(f"compiled {{count}} kernels")
 """
 
@@ -101,4 +106,4 @@ print(f"compiled {{count}} kernels")
 @hopper
 def test_append_token_kernel_compiles_for_hopper():
     out = compiled("-c", APPEND_COMPILE.format(bench=str(SCRIPT.parent)))
-    assert "compiled 3 kernels" in out, out
+    assert "compiled 6 kernels" in out, out

@@ -45,6 +45,9 @@ def test_static_path_gives_the_eager_tokens_evictions_and_memory(llama, preset):
     new = 24 if preset in QUICK else NEW_TOKENS
     expected, got, eager, static = _run_both(llama, policy, ids, mask, new)
     assert torch.equal(expected, got)
+    for e, st in zip(eager.layers, static.layers):  # the static ring, read oldest first, is the eager window
+        for x, y in zip(e.recent_queries(), st.recent_queries()):
+            assert (x is None and y is None) or torch.equal(x, y)
     a, b = eager.report(), static.report()
     assert a.evictions == b.evictions
     assert a.eviction_call_rate == b.eviction_call_rate

@@ -48,8 +48,10 @@ class KVComposeLayer(CacheLayerMixin):
         self.cache = cache
         self.layer_idx = layer_idx
         self.store: LayerStore | None = None
-        self.queries: torch.Tensor | None = None  # [B, Hq, W, D]
-        self.query_positions: torch.Tensor | None = None  # [B, W], -1 for padding
+        # the last W queries [B, Hq, W, D] and their positions [B, W] (-1 for padding): oldest
+        # first while decoding eagerly, a ring (column c at slot c % W) in static mode
+        self.queries: torch.Tensor | None = None
+        self.query_positions: torch.Tensor | None = None
         self.scaling = 1.0
         self._pending = False
 
@@ -129,7 +131,8 @@ class KVComposeLayer(CacheLayerMixin):
                 raise ValueError("static decode appends one real token per row and takes no attention mask")
             if self.layer_idx == 0:
                 self.cache.counters.begin_forward_on_device()
-            positions = store.append_step(key, value, thoughts.step_classes(self.layer_idx), plan.flush)
+            ring = (query, self.queries, self.query_positions) if policy.query_window > 0 else None
+            positions = store.append_step(key, value, thoughts.step_classes(self.layer_idx), plan.flush, ring)
         else:
             if self.layer_idx == 0:
                 self.cache.counters.begin_forward()
@@ -141,7 +144,7 @@ class KVComposeLayer(CacheLayerMixin):
             positions = store.append(key, value, real, cls)
             if real is not None:
                 positions = torch.where(real, positions, -1)
-        self._record_queries(query, positions, policy.query_window)
+            self._record_queries(query, positions, policy.query_window)
         if plan is None or plan.flush or plan.eager:  # a static step changes memory only when it flushes
             self.cache._note_memory(self.layer_idx)
         fused = self.cache.fused_attention and query.shape[2] == 1 and not self.cache.observers
@@ -243,13 +246,9 @@ class KVComposeLayer(CacheLayerMixin):
         return out
 
     def _record_queries(self, query: torch.Tensor, positions: torch.Tensor, window: int) -> None:
-        """Keep the last ``window`` queries (current step last) with their positions (-1: padding).
-        In static mode they live in a fixed ring, shifted in place."""
+        """Eager steps: keep the last ``window`` queries (current step last) with their
+        positions (-1: padding). Static steps write their ring in the buffer append."""
         if window <= 0:
-            return
-        if self.cache.step_plan is not None:
-            self.queries.copy_(torch.cat([self.queries[:, :, 1:], query], dim=2))
-            self.query_positions.copy_(torch.cat([self.query_positions[:, 1:], positions], dim=1))
             return
         if self.queries is None:
             B, Hq, _, D = query.shape
@@ -261,7 +260,8 @@ class KVComposeLayer(CacheLayerMixin):
 
     def fix_capacity(self, tokens: int, columns_limit: int | None = None) -> None:
         """Static mode for this layer: the store's capacity, and a full query window (empty
-        entries at the front carry position -1, as padding does)."""
+        entries at the front carry position -1, as padding does) turned into a ring: the
+        query of column ``c`` at slot ``c % W``."""
         self.store.fix_capacity(tokens, columns_limit)
         window = self.cache.policy.query_window
         if window > 0 and self.queries is not None:
@@ -271,10 +271,18 @@ class KVComposeLayer(CacheLayerMixin):
                                                                  self.queries.shape[3]), self.queries], dim=2)
                 self.query_positions = torch.cat([torch.full_like(self.query_positions[:, :1], -1).expand(
                     -1, missing), self.query_positions], dim=1)
+            shift = self.store.columns_seen % window  # the newest, column columns_seen - 1, to its slot
+            self.queries = self.queries.roll(shift, dims=2).contiguous()
+            self.query_positions = self.query_positions.roll(shift, dims=1).contiguous()
 
-    @property
-    def query_valid(self) -> torch.Tensor | None:
-        return None if self.query_positions is None else self.query_positions >= 0
+    def recent_queries(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The recorded queries ``[B, Hq, W, D]`` and positions ``[B, W]``, oldest first (what
+        evictors read); in static mode the ring is read from the slot after the newest."""
+        if self.queries is None or not self.store.static:
+            return self.queries, self.query_positions
+        window = self.queries.shape[2]
+        order = (self.store.column + torch.arange(window, device=self.queries.device)) % window
+        return self.queries.index_select(2, order), self.query_positions.index_select(1, order)
 
 
 def _attention_with_probs(query, keys, values, mask, scaling):

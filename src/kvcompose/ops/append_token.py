@@ -4,7 +4,9 @@ The static decode path appends every layer's new key and value each step: the to
 to its row's next buffer slot with its position, class and live bit; the row's buffer
 length and token count move on; a full buffer (the schedule should have flushed it) and
 a non-finite key or value raise device flags that the host reads at its next
-synchronization. Written with torch ops that is about 25 small kernels per layer and
+synchronization. Policies whose evictor scores with recent queries also keep the step's
+query: it goes to slot ``column % W`` of a ring of ``W`` queries (no shift of the whole
+window per step). Written with torch ops that is about 25 small kernels per layer and
 step (800 per step of a 32-layer model), each costing a few microseconds even inside a
 CUDA graph; :func:`append_token` does it in one program per row.
 
@@ -23,8 +25,9 @@ FIXED_CHANNELS = ("pos", "valid", "cls")  # written by the kernel; other (float)
 @jit
 def _append_token_kernel(k_ptr, v_ptr, ksb, ksh, ksd, vsb, vsh, vsd, bk_ptr, bv_ptr, len_ptr, seen_ptr,
                          column_ptr, positions_ptr, cls_in_ptr, bpos_ptr, bvalid_ptr, bcls_ptr,
-                         overflow_ptr, nonfinite_ptr, CAP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                         HD_P: tl.constexpr):
+                         overflow_ptr, nonfinite_ptr, q_ptr, qsb, qsh, qsd, ring_q_ptr, ring_pos_ptr,
+                         CAP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HD_P: tl.constexpr,
+                         RING: tl.constexpr, W: tl.constexpr, HQ: tl.constexpr, QD_P: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(len_ptr + b)
     at = tl.minimum(n, CAP - 1)
@@ -49,9 +52,18 @@ def _append_token_kernel(k_ptr, v_ptr, ksb, ksh, ksd, vsb, vsh, vsd, bk_ptr, bv_
     tl.store(bcls_ptr + row_slot, tl.load(cls_in_ptr + b))
     tl.store(len_ptr + b, n + 1)
     tl.store(seen_ptr + b, tl.load(seen_ptr + b) + 1)
+    if RING:  # the step's query [HQ, D] to its ring slot
+        slot = column % W
+        f = tl.arange(0, QD_P)
+        mq = f < HQ * D
+        hq = f // D
+        dq = f % D
+        q = tl.load(q_ptr + b * qsb + hq * qsh + dq * qsd, mask=mq, other=0.0)
+        tl.store(ring_q_ptr + ((b * HQ + hq) * W + slot) * D + dq, q, mask=mq)
+        tl.store(ring_pos_ptr + b * W + slot, column)
 
 
-def _check(keys, values, buf_k, buf_v, meta, cls) -> None:
+def _check(keys, values, buf_k, buf_v, meta, cls, ring) -> None:
     B, cap, H, D = buf_k.shape
     for name, x, buf in (("keys", keys, buf_k), ("values", values, buf_v)):
         if tuple(x.shape) != (B, H, 1, D) or x.dtype != buf.dtype:
@@ -64,23 +76,38 @@ def _check(keys, values, buf_k, buf_v, meta, cls) -> None:
         raise ValueError("append_token: the buffers must be contiguous [B, cap, H, D] tensors")
     if tuple(cls.shape) != (B,):
         raise ValueError(f"append_token: classes of shape {tuple(cls.shape)}; expected [{B}]")
+    if ring is not None:
+        query, ring_q, ring_pos = ring
+        Hq, W = ring_q.shape[1], ring_q.shape[2]
+        if query.dim() != 4 or tuple(query.shape) != (B, Hq, 1, D) or query.dtype != ring_q.dtype:
+            raise ValueError(f"append_token: query of shape {tuple(query.shape)} and dtype {query.dtype}; the ring "
+                             f"takes [{B}, {Hq}, 1, {D}] in {ring_q.dtype}")
+        if tuple(ring_q.shape) != (B, Hq, W, D) or not ring_q.is_contiguous():
+            raise ValueError(f"append_token: the query ring must be a contiguous [{B}, Hq, W, {D}] tensor, got "
+                             f"{tuple(ring_q.shape)}")
+        if tuple(ring_pos.shape) != (B, W) or ring_pos.dtype != torch.long or not ring_pos.is_contiguous():
+            raise ValueError(f"append_token: ring positions must be a contiguous int64 [{B}, {W}] tensor, got "
+                             f"{tuple(ring_pos.shape)} {ring_pos.dtype}")
 
 
 def append_token(keys: torch.Tensor, values: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor,
                  meta: dict[str, torch.Tensor], buf_len: torch.Tensor, tokens_seen: torch.Tensor,
                  column: torch.Tensor, cls: torch.Tensor, overflow: torch.Tensor, nonfinite: torch.Tensor,
+                 ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  backend: str | None = None) -> torch.Tensor:
     """Append ``keys`` / ``values`` ``[B, H, 1, D]`` at each row's next slot of the buffer
     ``buf_k`` / ``buf_v`` ``[B, cap, H, D]`` (the last slot when full, which sets ``overflow``),
     with position ``column`` (a 0-d counter, advanced by one), class ``cls`` ``[B]`` and the
     live bit in ``meta``'s channels (other channels get 0); ``buf_len`` and ``tokens_seen``
     move on by one; a non-finite key or value sets ``nonfinite``. Returns the positions
-    ``[B, 1]``. Everything stays on the device. ``backend`` as the other per-step ops
+    ``[B, 1]``. ``ring``: ``(query [B, Hq, 1, D], queries [B, Hq, W, D], positions [B, W])``,
+    a ring of recent queries whose slot ``column % W`` takes the step's query and its
+    position. Everything stays on the device. ``backend`` as the other per-step ops
     (:func:`~kvcompose.ops.quant_common.step_kernel_runs`)."""
-    _check(keys, values, buf_k, buf_v, meta, cls)
+    _check(keys, values, buf_k, buf_v, meta, cls, ring)
     if not step_kernel_runs(keys, _append_token_kernel, backend):
         return append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, column, cls, overflow,
-                                  nonfinite)
+                                  nonfinite, ring)
     B, cap, H, D = buf_k.shape
     positions = torch.empty(B, 1, dtype=torch.long, device=keys.device)
     cls = cls.contiguous()  # the kernel reads one class per row at unit stride
@@ -92,14 +119,24 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, buf_k: torch.Tensor, 
     _append_token_kernel[(B,)](
         keys, values, keys.stride(0), keys.stride(1), keys.stride(3), values.stride(0), values.stride(1),
         values.stride(3), buf_k, buf_v, buf_len, tokens_seen, column, positions, cls, meta["pos"],
-        meta["valid"].view(torch.uint8), meta["cls"], overflow, nonfinite, CAP=cap, H=H, D=D, HD_P=next_pow2(H * D),
+        meta["valid"].view(torch.uint8), meta["cls"], overflow, nonfinite, *_ring_args(ring, keys), CAP=cap, H=H, D=D,
+        HD_P=next_pow2(H * D), RING=ring is not None, W=1 if ring is None else ring[1].shape[2],
+        HQ=1 if ring is None else ring[1].shape[1], QD_P=1 if ring is None else next_pow2(ring[1].shape[1] * D),
         num_warps=4)
     column += 1
     return positions
 
 
+def _ring_args(ring, keys) -> tuple:
+    """The kernel's query-ring arguments (the keys stand in for unused pointers)."""
+    if ring is None:
+        return keys, 0, 0, 0, keys, keys
+    query, ring_q, ring_pos = ring
+    return query, query.stride(0), query.stride(1), query.stride(3), ring_q, ring_pos
+
+
 def append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, column, cls, overflow,
-                       nonfinite) -> torch.Tensor:
+                       nonfinite, ring=None) -> torch.Tensor:
     """Reference of :func:`append_token` in torch ops."""
     B, cap = buf_k.shape[:2]
     rows = torch.arange(B, device=keys.device)
@@ -113,6 +150,11 @@ def append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, c
     new = {"pos": positions[:, 0], "cls": cls}
     for name, t in meta.items():  # tensor values only: a Python scalar would be a host copy
         t[rows, at] = new[name] if name in new else torch.full_like(t[:, 0], name == "valid")
+    if ring is not None:
+        query, ring_q, ring_pos = ring
+        slot = (column % ring_q.shape[2]).view(1)
+        ring_q.index_copy_(2, slot, query)
+        ring_pos.index_copy_(1, slot, positions)
     buf_len += 1
     tokens_seen += 1
     column += 1

@@ -273,13 +273,16 @@ class LayerStore:
         self.static = True
         self.columns_limit = columns_limit
 
-    def append_step(self, keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, flush: bool) -> torch.Tensor:
+    def append_step(self, keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, flush: bool,
+                    query_ring: tuple | None = None) -> torch.Tensor:
         """Static mode: append one real token per row (``[B, Hkv, 1, D]``, classes ``[B]``) and
         return its positions ``[B, 1]``. ``flush``: the caller knows that some row's buffer
         fills this step, so its oldest group is encoded into blocks (rows whose buffer is not
-        full write nothing). Host counters (``columns_seen``) are the caller's to advance."""
+        full write nothing). ``query_ring``: the caller's ring of recent queries, written in
+        the same launch (see :func:`~kvcompose.ops.append_token.append_token`). Host counters
+        (``columns_seen``) are the caller's to advance."""
         positions = append_token(keys, values, self.buf_k, self.buf_v, self.buf_meta, self.buf_len, self.tokens_seen,
-                                 self.column, cls, self.overflow, self.nonfinite)
+                                 self.column, cls, self.overflow, self.nonfinite, ring=query_ring)
         if flush:
             self._flush_full_rows()
         return positions

@@ -267,7 +267,7 @@ class Policy:
         elif not bool(fired.any()):
             return False
         view = view if view is not None else store.view()
-        ctx = self.eviction_context(store, view, keep, layer.queries, layer.query_positions, layer.scaling)
+        ctx = self.eviction_context(store, view, keep, *layer.recent_queries(), layer.scaling)
         self.pager.compact(store, view, self.evictor.select(ctx))
         if scheduled:
             layer.cache.counters.note_eviction_on_device(fired.any())
