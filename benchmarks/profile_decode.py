@@ -63,15 +63,20 @@ def _profiled(model, policy, ids, mask, new: int) -> dict[str, tuple[int, float]
     return {k: (c, us) for k, (c, us) in totals.items()}
 
 
+REPLAYED = ("replay", "evict", "refresh")  # steps that replay a graph (not its warm-up or capture)
+
+
 def replayed_step_ms(model, policy, ids, mask, steps: int) -> float | None:
-    """GPU milliseconds of one replayed plain step (CUDA graphs, as the benchmark runs): against
-    the kernels' own time, the difference is what the step spends between its kernels."""
+    """GPU milliseconds per replayed step (CUDA graphs, as the benchmark runs; plain, eviction
+    and refresh steps alike, as the kernel count averages them): against the kernels' own
+    time, the difference is what the step spends between its kernels. None without replays."""
     if not ids.is_cuda:
         return None
     cache = policy.make_cache(model)
     fast_generate(model, cache, ids, mask, steps + 2, profile=True)
     summary = cache.static_decoder.summary()
-    return summary["ms_by_kind"].get("replay", 0.0) / max(summary["replays"], 1)
+    count = sum(summary["steps_by_kind"].get(k, 0) for k in REPLAYED)
+    return sum(summary["ms_by_kind"].get(k, 0.0) for k in REPLAYED) / count if count else None
 
 
 def memory(model, policy, ids, mask, steps: int, reserve: int | None) -> dict:

@@ -249,15 +249,18 @@ def sharing(lines: list[str]) -> None:
 
 def kernel_label(name: str) -> str:
     """A short label for a CUDA kernel's signature: its name and the functors in its template."""
-    name = name.replace("(anonymous namespace)::", "")
+    name = re.sub(r"^(void )?std::enable_if<.*?>::type ", "", name.replace("(anonymous namespace)::", ""))
     cut = min([i for i in (name.find("<"), name.find("(")) if i >= 0], default=len(name))
-    base = name[:cut].replace("void ", "").split("::")[-1].strip()
+    parts = name[:cut].replace("void ", "").strip().split("::")
+    base = "::".join(parts[-2:]) if parts[-1] == "kernel" else parts[-1]  # gemvx::kernel, not kernel
     tags = []
     for tag in re.findall(r"(\w+(?:Functor|Ops)\w*|\w+_kernel_cuda|Cat\w+Copy)", name[cut:]):
         if tag not in tags and tag != base:
             tags.append(tag)
-    dtype = re.search(r"\b(BFloat16|Half|float)\b", name[cut:])
-    tags = tags[:2] + ([{"BFloat16": "bf16", "Half": "fp16", "float": "fp32"}[dtype.group(1)]] if dtype else [])
+    rest = name[cut:]  # the data's dtype: a kernel on half types names float too (its accumulator)
+    dtype = next((short for word, short in (("bfloat16", "bf16"), ("half", "fp16"), ("float", "fp32"))
+                  if re.search(rf"(\b|_){word}\b", rest, re.IGNORECASE)), None)
+    tags = tags[:2] + ([dtype] if dtype else [])
     return base + (f" [{', '.join(tags)}]" if tags else "")
 
 
@@ -274,10 +277,10 @@ def decode_profile(lines: list[str]) -> None:
               "random Llama-3-8B-shaped weights in bf16. `nvjet_*` are cuBLAS GEMMs (the weights), "
               "`_paged_partial_kernel` the fused attention, the `at::native` kernels mostly the model's own "
               "RMSNorm, rotary, SiLU and residual code. " + data.get("notes", ""), ""]
-    totals = [[r["policy"], f"{r['ms_per_step']:.2f}"] + ([f"{r['replay_ms_per_step']:.2f}"]
-              if "replay_ms_per_step" in r else []) for r in recs]
-    lines += _table(["policy", "kernel ms per step"] + (["replayed step ms"] if "replay_ms_per_step" in r0 else []),
-                    totals) + [""]
+    replayed = all(r.get("replay_ms_per_step") is not None for r in recs)
+    totals = [[r["policy"], f"{r['ms_per_step']:.2f}"] + ([f"{r['replay_ms_per_step']:.2f}"] if replayed else [])
+              for r in recs]
+    lines += _table(["policy", "kernel ms per step"] + (["replayed step ms"] if replayed else []), totals) + [""]
     names: list[str] = []
     for r in recs:
         names += [k["name"] for k in r["kernels"] if k["name"] not in names]

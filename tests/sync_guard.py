@@ -4,12 +4,12 @@ Inside :func:`no_host_sync`, reading a tensor's value on the host (``bool``, ``i
 ``float``, ``item``, ``tolist``, ``nonzero``), boolean-mask indexing (its output size depends
 on the data), writing a Python scalar through a tensor index and making a tensor from
 Python data with ``torch.tensor`` (host-to-device copies on CUDA) raise ``HostSyncError``. A step that passes on CPU has none of the syncs that make a
-capture fail on the GPU. Let through are the torch references of ``kvcompose.ops`` (the
-functions named ``*_torch``: on CUDA the kernels run instead), Triton's interpreter (a
-kernel launch is one graph node on CUDA), and ``kvcompose.device_constants`` (it makes each
-constant once, and static decode runs every kind of step once eagerly before it captures
-one). The host code of the ops that launches kernels is checked: run the step with the
-kernels forced into the interpreter (:func:`forced_step_kernels`) to check it on CPU."""
+capture fail on the GPU. Let through are Triton's interpreter (a kernel launch is one
+graph node on CUDA) and ``kvcompose.device_constants`` (it makes each constant once, and
+static decode runs every kind of step once eagerly before it captures one). The torch
+references of the ops are checked like everything else (on CUDA they run where a kernel
+does not fit); so is the host code that launches the kernels, when the step runs with
+the kernels forced into the interpreter (:func:`forced_step_kernels`)."""
 
 from __future__ import annotations
 
@@ -19,26 +19,25 @@ import sys
 
 import torch
 
-OPS = os.sep + os.path.join("kvcompose", "ops") + os.sep
 CONSTANTS = os.sep + os.path.join("kvcompose", "device_constants.py")
 TRITON = os.sep + "triton" + os.sep
 
 
 def _inside_ops() -> bool:
-    """Whether the caller runs inside an op's torch reference, Triton or a device constant."""
+    """Whether the caller runs inside Triton or a device constant."""
     frame = sys._getframe(2)
     while frame is not None:
-        code = frame.f_code
-        if (OPS in code.co_filename and code.co_name.endswith("_torch")) or TRITON in code.co_filename \
-                or code.co_filename.endswith(CONSTANTS):
+        name = frame.f_code.co_filename
+        if TRITON in name or name.endswith(CONSTANTS):
             return True
         frame = frame.f_back
     return False
 
 
-def forced_step_kernels(monkeypatch) -> None:
+def forced_step_kernels(monkeypatch) -> set:
     """Make the per-step ops of ``kvcompose.ops`` launch their Triton kernels wherever they
-    would pick a backend themselves (under ``TRITON_INTERPRET=1``: the interpreter on CPU)."""
+    would pick a backend themselves (under ``TRITON_INTERPRET=1``: the interpreter on CPU);
+    returns the set that collects the names of the kernels that were picked."""
     import importlib
     import pkgutil
 
@@ -47,13 +46,19 @@ def forced_step_kernels(monkeypatch) -> None:
 
     runs = quant_common.step_kernel_runs
 
+    picked = set()
+
     def forced(x, kernel, backend, fits=True):
-        return runs(x, kernel, "triton" if backend is None and fits else backend, fits)
+        chosen = runs(x, kernel, "triton" if backend is None and fits else backend, fits)
+        if chosen:
+            picked.add(kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__)
+        return chosen
 
     for info in pkgutil.iter_modules(kvcompose.ops.__path__):
         module = importlib.import_module(f"kvcompose.ops.{info.name}")
         if getattr(module, "step_kernel_runs", None) is runs:
             monkeypatch.setattr(module, "step_kernel_runs", forced)
+    return picked
 
 
 class HostSyncError(AssertionError):

@@ -94,7 +94,7 @@ def test_kernel_matches_reference_every_format(fmt, group, head_dim):
     check_close(query, [src])
 
 
-@pytest.mark.parametrize("token_group,bs", [(16, 16), (32, 32), (64, 64), (8, 16)])
+@pytest.mark.parametrize("token_group,bs", [(16, 16), (32, 32), (64, 64), (32, 128), (16, 64), (8, 16)])
 def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monkeypatch):
     """KIVI keys whose tile lies in one token group are scored with the group scale in the
     queries; tiles longer than the group decode every key. Both match the reference."""

@@ -215,8 +215,11 @@ def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(pres
     _, ids, mask = left_padded([20, 13, 31])
     expected = fast_generate(model, policy.make_cache(model), ids, mask, 20)
     guard_replayed_steps(monkeypatch)
-    forced_step_kernels(monkeypatch)
-    assert torch.equal(fast_generate(model, policy.make_cache(model), ids, mask, 20), expected)
+    picked = forced_step_kernels(monkeypatch)
+    cache = policy.make_cache(model)
+    assert torch.equal(fast_generate(model, cache, ids, mask, 20), expected)
+    assert cache.static_decoder.eager_steps == 0  # every step was guarded
+    assert {"_append_token_kernel", "_paged_partial_kernel"} <= picked
 
 
 @pytest.mark.gpu

@@ -174,6 +174,8 @@ class StaticDecoder:
             if first:  # capturing, then replaying: one-time work, timed apart from the replays
                 self.captured[key] = self._capture()
             graph, logits = self.captured[key]
+            if self.profile:  # a replay's GPU time starts at the replay, not at the host's step before it
+                began.record()
             issued = time.perf_counter()
             graph.replay()
             # host time is measured on plain replays (an eviction step waits for the device),
