@@ -93,9 +93,9 @@ for dtype in ("bf16", "fp16", "fp32"):
                 "vsh": "i64", "vsd": "i64", "bk_ptr": "*" + dtype, "bv_ptr": "*" + dtype, "len_ptr": "*i64",
                 "seen_ptr": "*i64", "column_ptr": "*i64", "positions_ptr": "*i64", "cls_in_ptr": "*i64",
                 "bpos_ptr": "*i64", "bvalid_ptr": "*u8", "bcls_ptr": "*i64", "overflow_ptr": "*i32",
-                "nonfinite_ptr": "*i32", "q_ptr": "*" + dtype, "qsb": "i64", "qsh": "i64", "qsd": "i64",
+                "nonfinite_ptr": "*i32", "zero_ptr": "*fp32", "q_ptr": "*" + dtype, "qsb": "i64", "qsh": "i64", "qsd": "i64",
                 "ring_q_ptr": "*" + dtype, "ring_pos_ptr": "*i64"}}
-        consts = dict(CAP=144, H=8, D=128, HD_P=1024, RING=ring, W=8 if ring else 1, HQ=32 if ring else 1,
+        consts = dict(CAP=144, H=8, D=128, HD_P=1024, ZERO=not ring, RING=ring, W=8 if ring else 1, HQ=32 if ring else 1,
                       QD_P=4096 if ring else 1)
         compile_for_hopper(a._append_token_kernel, sig, consts, 4)
         count += 1

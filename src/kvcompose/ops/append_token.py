@@ -25,8 +25,8 @@ FIXED_CHANNELS = ("pos", "valid", "cls")  # written by the kernel; other (float)
 @jit
 def _append_token_kernel(k_ptr, v_ptr, ksb, ksh, ksd, vsb, vsh, vsd, bk_ptr, bv_ptr, len_ptr, seen_ptr,
                          column_ptr, positions_ptr, cls_in_ptr, bpos_ptr, bvalid_ptr, bcls_ptr,
-                         overflow_ptr, nonfinite_ptr, q_ptr, qsb, qsh, qsd, ring_q_ptr, ring_pos_ptr,
-                         CAP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HD_P: tl.constexpr,
+                         overflow_ptr, nonfinite_ptr, zero_ptr, q_ptr, qsb, qsh, qsd, ring_q_ptr, ring_pos_ptr,
+                         CAP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HD_P: tl.constexpr, ZERO: tl.constexpr,
                          RING: tl.constexpr, W: tl.constexpr, HQ: tl.constexpr, QD_P: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(len_ptr + b)
@@ -50,6 +50,8 @@ def _append_token_kernel(k_ptr, v_ptr, ksb, ksh, ksd, vsb, vsh, vsd, bk_ptr, bv_
     tl.store(bpos_ptr + row_slot, column)
     tl.store(bvalid_ptr + row_slot, 1)
     tl.store(bcls_ptr + row_slot, tl.load(cls_in_ptr + b))
+    if ZERO:  # a float slot channel (h2o's attention mass) starts at 0
+        tl.store(zero_ptr + row_slot, 0.0)
     tl.store(len_ptr + b, n + 1)
     tl.store(seen_ptr + b, tl.load(seen_ptr + b) + 1)
     if RING:  # the step's query [HQ, D] to its ring slot
@@ -74,6 +76,10 @@ def _check(keys, values, buf_k, buf_v, meta, cls, ring) -> None:
         raise ValueError(f"append_token: buffer metadata lacks {missing}; it must hold {list(FIXED_CHANNELS)}")
     if not (buf_k.is_contiguous() and buf_v.is_contiguous()):
         raise ValueError("append_token: the buffers must be contiguous [B, cap, H, D] tensors")
+    for name, t in meta.items():
+        if tuple(t.shape) != (B, cap) or not t.is_contiguous():
+            raise ValueError(f"append_token: metadata channel {name!r} of shape {tuple(t.shape)}; every channel must "
+                             f"be a contiguous [{B}, {cap}] tensor")
     if tuple(cls.shape) != (B,):
         raise ValueError(f"append_token: classes of shape {tuple(cls.shape)}; expected [{B}]")
     if ring is not None:
@@ -111,16 +117,18 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, buf_k: torch.Tensor, 
     B, cap, H, D = buf_k.shape
     positions = torch.empty(B, 1, dtype=torch.long, device=keys.device)
     cls = cls.contiguous()  # the kernel reads one class per row at unit stride
+    # float slot channels (h2o's mass) get 0 at the slot the kernel writes: the first in the kernel,
+    # any others by a scalar fill (`t[rows, at] = 0` copies a host tensor, which graph capture refuses)
     extra = [t for name, t in meta.items() if name not in FIXED_CHANNELS]
-    if extra:  # float slot channels (h2o's mass): 0 at the slot the kernel writes
+    if len(extra) > 1:
         at = buf_len.clamp(max=cap - 1)[:, None]
-        for t in extra:  # a scalar fill: `t[rows, at] = 0` copies a host tensor, which a graph capture refuses
+        for t in extra[1:]:
             t.scatter_(1, at, 0.0)
     _append_token_kernel[(B,)](
         keys, values, keys.stride(0), keys.stride(1), keys.stride(3), values.stride(0), values.stride(1),
         values.stride(3), buf_k, buf_v, buf_len, tokens_seen, column, positions, cls, meta["pos"],
-        meta["valid"].view(torch.uint8), meta["cls"], overflow, nonfinite, *_ring_args(ring, keys), CAP=cap, H=H, D=D,
-        HD_P=next_pow2(H * D), RING=ring is not None, W=1 if ring is None else ring[1].shape[2],
+        meta["valid"].view(torch.uint8), meta["cls"], overflow, nonfinite, extra[0] if extra else keys,
+        *_ring_args(ring, keys), CAP=cap, H=H, D=D, HD_P=next_pow2(H * D), ZERO=bool(extra), RING=ring is not None, W=1 if ring is None else ring[1].shape[2],
         HQ=1 if ring is None else ring[1].shape[1], QD_P=1 if ring is None else next_pow2(ring[1].shape[1] * D),
         num_warps=4)
     column += 1
