@@ -205,13 +205,19 @@ def test_policy_generate_fast_matches_eager_and_refuses_sampling(llama):
         policy.generate(llama, tok, ["abc"], max_new_tokens=4, fast=True, do_sample=True)
 
 
-@pytest.mark.parametrize("preset", ["h2o", "kivi2", "rkv", "thinkv"])
-def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(preset, monkeypatch):
+CALIBRATED = {"classifier": {"name": "sparsity_kde", "thresholds": [0.5, 0.8], "layers": [0, 1]}}
+
+
+@pytest.mark.parametrize("preset,overrides", [("h2o", {}), ("kivi2", {}), ("rkv", {}), ("thinkv", {}),
+                                              ("thinkv", CALIBRATED)],
+                         ids=["h2o", "kivi2", "rkv", "thinkv", "thinkv-calibrated"])
+def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(preset, overrides, monkeypatch):
     """The host code around the per-step kernels (on CPU it only runs with the kernels forced
     into the interpreter) is what a CUDA graph captures too: it must not copy host data or
-    synchronize. The tokens match the references' run."""
+    synchronize. The tokens match the references' run. ThinKV with calibrated layers also
+    measures their sparsity in its (captured) refresh steps."""
     model = head_dim_64_llama()
-    policy = Policy.from_preset(preset, **POLICIES[preset])
+    policy = Policy.from_preset(preset, **{**POLICIES[preset], **overrides})
     _, ids, mask = left_padded([20, 13, 31])
     expected = fast_generate(model, policy.make_cache(model), ids, mask, 20)
     guard_replayed_steps(monkeypatch)
@@ -220,6 +226,8 @@ def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(pres
     assert torch.equal(fast_generate(model, cache, ids, mask, 20), expected)
     assert cache.static_decoder.eager_steps == 0  # every step was guarded
     assert {"_append_token_kernel", "_paged_partial_kernel"} <= picked
+    if overrides:
+        assert cache.static_decoder.refresh_steps + cache.static_decoder.eviction_steps > 0
 
 
 @pytest.mark.gpu
