@@ -156,13 +156,12 @@ class StaticDecoder:
         """Feed ``tokens`` ``[B]`` through one decode step planned by ``plan`` (after
         :meth:`begin_step`); returns logits ``[B, V]``."""
         self.replay_call_s = 0.0
-        if self.profile:
-            began = torch.cuda.Event(enable_timing=True)
-            began.record()
-        self.ids.copy_(tokens[:, None])
-        self.cache.step_plan = plan
         key = plan.graph_key
         replay = not plan.eager and self.graphs and key in self.warm
+        # profile: an eager step's GPU time starts with the step, a replay's at the replay
+        began = _recorded_event() if self.profile and not replay else None
+        self.ids.copy_(tokens[:, None])
+        self.cache.step_plan = plan
         first = False
         if not replay:
             if not plan.eager:
@@ -174,8 +173,8 @@ class StaticDecoder:
             if first:  # capturing, then replaying: one-time work, timed apart from the replays
                 self.captured[key] = self._capture()
             graph, logits = self.captured[key]
-            if self.profile:  # a replay's GPU time starts at the replay, not at the host's step before it
-                began.record()
+            if self.profile:
+                began = _recorded_event()
             issued = time.perf_counter()
             graph.replay()
             # host time is measured on plain replays (an eviction step waits for the device),
@@ -189,8 +188,7 @@ class StaticDecoder:
         self.positions += 1
         self.cache_position += 1
         if self.profile:
-            ended = torch.cuda.Event(enable_timing=True)
-            ended.record()
+            ended = _recorded_event()
             kind = ("eager" if plan.eager else "capture" if first else "evict" if plan.evict
                     else "refresh" if plan.refresh else "replay" if replay else "warm-up")
             self._events.append((kind, began, ended))
@@ -244,6 +242,12 @@ class StaticDecoder:
                 "fast_generate(..., graphs=False) (static shapes, no graphs) or policy.generate(..., fast=False)"
             ) from exc
         return graph, logits
+
+
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -124,23 +124,24 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, buf_k: torch.Tensor, 
         at = buf_len.clamp(max=cap - 1)[:, None]
         for t in extra[1:]:
             t.scatter_(1, at, 0.0)
+    ring_args, ring_consts = _ring_launch(ring, keys)
     _append_token_kernel[(B,)](
         keys, values, keys.stride(0), keys.stride(1), keys.stride(3), values.stride(0), values.stride(1),
         values.stride(3), buf_k, buf_v, buf_len, tokens_seen, column, positions, cls, meta["pos"],
-        meta["valid"].view(torch.uint8), meta["cls"], overflow, nonfinite, extra[0] if extra else keys,
-        *_ring_args(ring, keys), CAP=cap, H=H, D=D, HD_P=next_pow2(H * D), ZERO=bool(extra), RING=ring is not None, W=1 if ring is None else ring[1].shape[2],
-        HQ=1 if ring is None else ring[1].shape[1], QD_P=1 if ring is None else next_pow2(ring[1].shape[1] * D),
-        num_warps=4)
+        meta["valid"].view(torch.uint8), meta["cls"], overflow, nonfinite, extra[0] if extra else keys, *ring_args,
+        CAP=cap, H=H, D=D, HD_P=next_pow2(H * D), ZERO=bool(extra), **ring_consts, num_warps=4)
     column += 1
     return positions
 
 
-def _ring_args(ring, keys) -> tuple:
-    """The kernel's query-ring arguments (the keys stand in for unused pointers)."""
+def _ring_launch(ring, keys) -> tuple[tuple, dict]:
+    """The kernel's query-ring arguments and constants (the keys stand in for unused pointers)."""
     if ring is None:
-        return keys, 0, 0, 0, keys, keys
+        return (keys, 0, 0, 0, keys, keys), dict(RING=False, W=1, HQ=1, QD_P=1)
     query, ring_q, ring_pos = ring
-    return query, query.stride(0), query.stride(1), query.stride(3), ring_q, ring_pos
+    _, Hq, W, D = ring_q.shape
+    args = (query, query.stride(0), query.stride(1), query.stride(3), ring_q, ring_pos)
+    return args, dict(RING=True, W=W, HQ=Hq, QD_P=next_pow2(Hq * D))
 
 
 def append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, column, cls, overflow,
