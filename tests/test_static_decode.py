@@ -307,6 +307,17 @@ def test_fixed_memory_runs_back_off_from_out_of_memory_and_the_cap():
     row = run_backing_off(lambda b: tried.append(b) or {"batch": b, "peak_gib": 99.0}, 2, 70.0, 5)
     assert tried == [2, 1] and row["over_cap"]  # never below one row
 
+    # Knowing the memory that does not grow with the batch, a peak over the cap gives the batch
+    # that fits at once: 16 GiB fixed and 0.132 GiB per row measured at 518 rows -> 400 rows (2% under).
+    tried.clear()
+    row = run_backing_off(lambda b: tried.append(b) or {"batch": b, "peak_gib": 16 + 0.132 * b}, 518, 70.0, 4,
+                          fixed_gib=16.0)
+    assert tried == [518, 400] and row["peak_gib"] <= 70.0 and row["over_cap_at"] == [518]
+    tried.clear()  # a peak barely over the cap: 2% fewer rows
+    row = run_backing_off(lambda b: tried.append(b) or {"batch": b, "peak_gib": 70.01 if b == 100 else 69.0}, 100,
+                          70.0, 4, fixed_gib=16.0)
+    assert tried == [100, 97]
+
 
 @pytest.mark.gpu
 def test_cuda_fixed_memory_finds_a_batch_under_the_cap():

@@ -166,18 +166,23 @@ def largest_batch(fixed: float, per_row: float, cap_bytes: float, limit: int = 1
     return max(1, min(limit, math.floor((cap_bytes - fixed) / per_row)))
 
 
-def run_backing_off(run_at, batch: int, cap_gib: float, retries: int) -> dict:
-    """``run_at(batch)``, repeated at 90% of the batch while it runs out of GPU memory or its
-    peak passes ``cap_gib`` (``retries`` times at most, never below one row). The record lists
-    the batches that did not fit (``over_cap_at``); ``over_cap`` says whether its own peak is
-    over the cap (retries used up)."""
+def run_backing_off(run_at, batch: int, cap_gib: float, retries: int, fixed_gib: float | None = None) -> dict:
+    """``run_at(batch)``, repeated with fewer rows while it runs out of GPU memory or its peak
+    passes ``cap_gib`` (``retries`` times at most, never below one row). After a peak over the
+    cap, and given the memory that does not grow with the batch (``fixed_gib``: weights and the
+    like), the next batch is the one the measured peak per row says fits, less 2%; otherwise
+    (out of memory, or no ``fixed_gib``) it is 90% of the last. The record lists the batches
+    that did not fit (``over_cap_at``); ``over_cap`` says whether its own peak is over the cap
+    (retries used up)."""
     too_big = []
     while True:
+        peak = None
         try:
             row = run_at(batch)
-            if row["peak_gib"] <= cap_gib or len(too_big) == retries or batch == 1:
+            peak = row["peak_gib"]
+            if peak <= cap_gib or len(too_big) == retries or batch == 1:
                 break
-            print(f"batch {batch} peaked at {row['peak_gib']:.1f} GiB, over the cap", flush=True)
+            print(f"batch {batch} peaked at {peak:.1f} GiB, over the cap", flush=True)
         except torch.OutOfMemoryError:
             if len(too_big) == retries or batch == 1:
                 raise
@@ -186,8 +191,15 @@ def run_backing_off(run_at, batch: int, cap_gib: float, retries: int) -> dict:
         too_big.append(batch)
         gc.collect()  # the exception's frames held the failed run's cache: free what they kept before the retry
         torch.cuda.empty_cache()
-        batch = max(1, math.floor(batch * 0.9))
+        batch = max(1, _next_batch(batch, peak, cap_gib, fixed_gib))
     return dict(row, over_cap=row["peak_gib"] > cap_gib, over_cap_at=too_big)
+
+
+def _next_batch(batch: int, peak: float | None, cap_gib: float, fixed_gib: float | None) -> int:
+    """The batch to try after ``batch`` did not fit (see :func:`run_backing_off`)."""
+    if peak is None or fixed_gib is None or not fixed_gib < cap_gib < peak:
+        return math.floor(batch * 0.9)
+    return min(batch - 1, math.floor(0.98 * batch * (cap_gib - fixed_gib) / (peak - fixed_gib)))
 
 
 def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: float, window: int,
@@ -197,7 +209,8 @@ def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: flo
 
     The stores reserve their capacity for ``new_tokens`` at the prefill, so two short runs at
     batch 2 and 4 give the bytes per row; they do not see everything (an eviction step's
-    scratch, a large prefill's activations), so the run backs off (:func:`run_backing_off`)."""
+    scratch, a large prefill's activations), so the run backs off (:func:`run_backing_off`) to
+    the batch its measured peak per row allows."""
     _check_fit(window, new_tokens)
     vocab = model.config.get_text_config().vocab_size
 
@@ -212,8 +225,9 @@ def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: flo
         kv[b] = run(b, 2)["kv_allocated_bytes"]
         peaks[b] = torch.cuda.max_memory_allocated()  # time_policy resets it before its timed run
     per_row = (peaks[4] - peaks[2]) / 2
-    batch = largest_batch(peaks[2] - 2 * per_row, per_row, cap_gib * 2**30)
-    row = run_backing_off(lambda b: run(b, window), batch, cap_gib, retries)
+    fixed = peaks[2] - 2 * per_row
+    batch = largest_batch(fixed, per_row, cap_gib * 2**30)
+    row = run_backing_off(lambda b: run(b, window), batch, cap_gib, retries, fixed_gib=fixed / 2**30)
     return dict(row, memory_cap_gib=cap_gib, reserved_new_tokens=new_tokens,
                 kv_bytes_per_row_reserved=(kv[4] - kv[2]) / 2)
 
