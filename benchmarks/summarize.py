@@ -62,7 +62,8 @@ def e2e(lines: list[str], figures: dict) -> None:
     if not data:
         return
     lines += ["## End-to-end decode against transformers' static cache", "",
-              f"`e2e_gpu.json` — {_env(data)}", "",
+              f"`e2e_gpu.json` — latest run: {_env(data)}. Runs differ in GPU (the GPU column); compare "
+              "ratios, which are against the baseline of the same run, not milliseconds across runs.", "",
               f"{data['model']}; random prompts of 512 tokens, greedy, EOS disabled. Baseline: transformers' "
               "static cache with its compiled decode step (sdpa). kvcompose: the static-shape path with CUDA graphs "
               "(`fast_generate`). Scenarios: (a) batch 16, 2,048 new tokens, budget 1,024; (b) batch 16, 8,192 new "
@@ -73,20 +74,27 @@ def e2e(lines: list[str], figures: dict) -> None:
               "step's GPU time. " + data.get("notes", ""), ""]
     rows = []
     order = sorted(data["records"], key=lambda r: (r["scenario"], r.get("run", ""), r["policy"] != "transformers-static"))
+    runs = data["environment"].get("runs", {})
     for r in order:
+        head = [r["policy"], r.get("run", r["scenario"]), _run_gpu(runs.get(r.get("run"))), r["batch"], r["new_tokens"]]
         if "error" in r:
-            rows.append([r["policy"], r.get("run", r["scenario"]), r["batch"], r["new_tokens"], "", "", "", "", "", "",
-                         r["error"].split(".")[0]])
+            rows.append(head + ["", "", "", "", "", "", r["error"].split(".")[0]])
             continue
         share = r.get("eviction_share")
-        rows.append([r["policy"], r.get("run", r["scenario"]), r["batch"], r["new_tokens"], f"{r['ms_per_step']:.1f}",
-                     f"{r['tok_per_s']:.0f}", f"{r['ratio_to_baseline']:.2f}", f"{r['peak_gib']:.1f}",
-                     "" if share is None else f"{100 * share:.1f}",
-                     "" if r.get("host_share") is None else f"{100 * r['host_share']:.1f}", ""])
-    lines += _table(["policy", "run (scenario)", "batch", "new tokens timed", "ms/step", "tok/s", "x baseline",
+        rows.append(head + [f"{r['ms_per_step']:.1f}", f"{r['tok_per_s']:.0f}", f"{r['ratio_to_baseline']:.2f}",
+                            f"{r['peak_gib']:.1f}", "" if share is None else f"{100 * share:.1f}",
+                            "" if r.get("host_share") is None else f"{100 * r['host_share']:.1f}", ""])
+    lines += _table(["policy", "run (scenario)", "GPU", "batch", "new tokens timed", "ms/step", "tok/s", "x baseline",
                      "peak GiB", "eviction share %", "host share %", "error"], rows) + [""]
     figures[SVG] = _throughput_svg([r for r in data["records"] if "tok_per_s" in r])
     lines += ["![Throughput against batch](results/e2e_throughput.svg)", ""]
+
+
+def _run_gpu(env) -> str:
+    """The GPU a run recorded (``runs[label]`` holds its environment; runs before session 13
+    recorded only their date: "not recorded")."""
+    gpu = env.get("gpu") if isinstance(env, dict) else None
+    return gpu.replace("NVIDIA ", "") if gpu else "not recorded"
 
 
 def _throughput_svg(records: list[dict]) -> str:
