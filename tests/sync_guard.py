@@ -1,9 +1,10 @@
 """A CPU stand-in for CUDA graph capture's rules: refuse what would synchronize with the host.
 
 Inside :func:`no_host_sync`, reading a tensor's value on the host (``bool``, ``int``,
-``float``, ``item``, ``tolist``, ``nonzero``), boolean-mask indexing (its output size depends
-on the data), writing a Python scalar through a tensor index and making a tensor from
-Python data with ``torch.tensor`` (host-to-device copies on CUDA) raise ``HostSyncError``. A step that passes on CPU has none of the syncs that make a
+``float``, ``item``, ``tolist``, ``cpu``, ``numpy``), ops whose output size depends on the
+data (``nonzero``, ``argwhere``, ``unique``, ``masked_select``, one-argument ``where``,
+boolean-mask indexing), writing a Python scalar through a tensor index and making a tensor
+from Python data with ``torch.tensor`` (host-to-device copies on CUDA) raise ``HostSyncError``. A step that passes on CPU has none of the syncs that make a
 capture fail on the GPU. Let through are Triton's interpreter (a kernel launch is one
 graph node on CUDA) and ``kvcompose.device_constants`` (it makes each constant once, and
 static decode runs every kind of step once eagerly before it captures one). The torch
@@ -78,15 +79,25 @@ def _has_tensor_index(index) -> bool:
 @contextlib.contextmanager
 def no_host_sync():
     T = torch.Tensor
-    names = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "nonzero", "__getitem__",
-             "__setitem__")
+    reads = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy")
+    sized = ("nonzero", "argwhere", "unique", "masked_select")  # output size depends on the data
+    names = (*reads, *sized, "where", "__getitem__", "__setitem__")
     saved = {n: getattr(T, n) for n in names}
+    functions = {n: getattr(torch, n) for n in (*sized, "where")}
 
-    def refuse(name):
+    def refuse(name, original):
         def method(self, *args, **kwargs):
             if _inside_ops():
-                return saved.get(name, nonzero)(self, *args, **kwargs)
-            raise HostSyncError(f"Tensor.{name} reads a device value on the host")
+                return original(self, *args, **kwargs)
+            what = "reads a device value on the host" if name in reads else "has a data-dependent output size"
+            raise HostSyncError(f"{name} {what}")
+        return method
+
+    def where(original):
+        def method(condition, *args, **kwargs):
+            if not args and not kwargs and not _inside_ops():
+                raise HostSyncError("one-argument where has a data-dependent output size; give both values")
+            return original(condition, *args, **kwargs)
         return method
 
     def getitem(self, index):
@@ -103,9 +114,9 @@ def no_host_sync():
             raise HostSyncError(f"a Python scalar ({value!r}) written through a tensor index is a host copy")
         return saved["__setitem__"](self, index, value)
 
-    patched = {n: refuse(n) for n in names[:7]}
-    patched.update(__getitem__=getitem, __setitem__=setitem)
-    nonzero, tensor = torch.nonzero, torch.tensor
+    patched = {n: refuse(f"Tensor.{n}", saved[n]) for n in (*reads, *sized)}
+    patched.update(where=where(saved["where"]), __getitem__=getitem, __setitem__=setitem)
+    tensor = torch.tensor
 
     def from_host(*args, **kwargs):
         if _inside_ops():
@@ -115,10 +126,13 @@ def no_host_sync():
     try:
         for n, f in patched.items():
             setattr(T, n, f)
-        torch.nonzero = refuse("nonzero")
+        for n, f in functions.items():
+            setattr(torch, n, where(f) if n == "where" else refuse(f"torch.{n}", f))
         torch.tensor = from_host
         yield
     finally:
         for n, f in saved.items():
             setattr(T, n, f)
-        torch.nonzero, torch.tensor = nonzero, tensor
+        for n, f in functions.items():
+            setattr(torch, n, f)
+        torch.tensor = tensor

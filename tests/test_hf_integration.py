@@ -231,3 +231,34 @@ def test_the_cache_goes_by_the_name_the_model_takes():
     assert cache_kwargs(Before(), "c") == {"past_key_values": "c"}
     assert returned_cache(SimpleNamespace(cache="new", past_key_values="old")) == "new"
     assert returned_cache(SimpleNamespace(past_key_values="old")) == "old"
+
+
+def test_accumulating_attention_in_query_chunks_equals_one_pass(llama, monkeypatch):
+    """h2o's probabilities over a prefill's queries come in chunks (a long prompt's would not
+    fit whole): the output and the attention mass equal one pass's, and so do the tokens."""
+    from types import SimpleNamespace
+
+    from kvcompose.evictors.attention import H2OEvictor
+    from kvcompose.hf import cache as hf_cache
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, H, T, L, D = 2, 4, 2, 9, 12, 8
+    query = torch.randn(B, Hq, T, D, generator=g)
+    view = SimpleNamespace(keys=torch.randn(B, H, L, D, generator=g), values=torch.randn(B, H, L, D, generator=g),
+                           valid=torch.rand(B, L, generator=g) > 0.2)
+    mask = view.valid[:, None, None, :] & (torch.rand(B, 1, T, L, generator=g) > 0.3)
+    mask = mask | ~mask.any(-1, keepdim=True)
+    positions = torch.arange(T).repeat(B, 1)
+    positions[0, :2] = -1  # padding queries receive nothing
+    observe = H2OEvictor().observe
+    whole_out, whole = hf_cache._attention_observed(query, view, mask, positions, 0.3, observe)
+    monkeypatch.setattr(hf_cache, "PROBS_CHUNK_BYTES", 2 * B * Hq * L * 4)  # two queries per chunk
+    out, parts = hf_cache._attention_observed(query, view, mask, positions, 0.3, observe)
+    assert torch.allclose(out, whole_out, atol=1e-6) and torch.allclose(parts["acc"], whole["acc"], atol=1e-6)
+
+    policy = Policy.from_preset("h2o", budget=16)
+    _, ids, mask = left_padded([4, 17, 30])
+    monkeypatch.setattr(hf_cache, "PROBS_CHUNK_BYTES", 1)  # one query per chunk
+    chunked = greedy(llama, ids, mask, 24, cache=policy.make_cache(llama))
+    monkeypatch.undo()
+    assert torch.equal(chunked, greedy(llama, ids, mask, 24, cache=policy.make_cache(llama)))

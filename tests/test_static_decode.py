@@ -117,10 +117,14 @@ def test_sync_guard_refuses_host_reads():
     t = torch.arange(4)
     with no_host_sync():
         for read in (lambda: bool(t.sum()), lambda: t[t > 1], lambda: t.sum().item(), lambda: t.tolist(),
-                     lambda: torch.tensor([1, 2])):
+                     lambda: torch.tensor([1, 2]), lambda: t.cpu(), lambda: t.numpy(), lambda: t.nonzero(),
+                     lambda: torch.nonzero(t), lambda: torch.argwhere(t), lambda: t.unique(),
+                     lambda: torch.unique(t), lambda: t.masked_select(t > 1), lambda: torch.where(t > 1)):
             with pytest.raises(HostSyncError):
                 read()
         t[t.clamp(max=2)] = t.flip(0)  # tensor values through tensor indices are fine
+        assert torch.equal(torch.where(t > 1, t, 0), t.where(t > 1, 0))  # both values given: fixed size
+    assert torch.where(torch.arange(4) > 1)[0].tolist() == [2, 3] and torch.arange(3).cpu().numpy().sum() == 3  # restored
 
 
 def guard_replayed_steps(monkeypatch) -> None:

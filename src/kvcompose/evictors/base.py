@@ -118,6 +118,8 @@ class Evictor:
         of the step's queries over the layer's slots in view order; rows of padding
         queries must be zero (the attention function zeroes them), or padding would
         count as attention received. ``valid`` is ``[B, L]``. Returns
-        ``{channel: [B, L] increment}`` for the store to add.
+        ``{channel: [B, L] increment}`` for the store to add. The increments must add up
+        over queries: a long prefill's queries come in chunks (so that its probabilities
+        never exist whole) and the store adds the chunks' sum.
         """
         return None

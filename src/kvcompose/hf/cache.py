@@ -233,10 +233,8 @@ class KVComposeLayer(CacheLayerMixin):
         # Padding queries see nothing; let them attend anywhere (their output is never used).
         mask = mask | ~mask.any(-1, keepdim=True)
         if policy.evictor is not None and policy.evictor.needs_probs:
-            out, probs = _attention_with_probs(query, view.keys, view.values, mask, scaling)
-            probs = probs * (positions >= 0)[:, None, :, None]  # padding queries receive nothing
-            delta = policy.evictor.observe(probs, view.valid)
-            for name, d in (delta or {}).items():
+            out, delta = _attention_observed(query, view, mask, positions, scaling, policy.evictor.observe)
+            for name, d in delta.items():
                 store.add_to_channel(name, view, d)
         else:
             out = F.scaled_dot_product_attention(
@@ -285,15 +283,30 @@ class KVComposeLayer(CacheLayerMixin):
         return self.queries.index_select(2, order), self.query_positions.index_select(1, order)
 
 
-def _attention_with_probs(query, keys, values, mask, scaling):
-    """Plain attention that also returns the probabilities ``[B, Hq, T, L]`` (for accumulating evictors)."""
-    group = query.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1)
-    v = values.repeat_interleave(group, dim=1)
-    logits = (query @ k.transpose(-1, -2)).float() * scaling
-    logits = logits.masked_fill(~mask, float("-inf"))
-    probs = logits.softmax(-1)
-    return (probs.to(v.dtype) @ v), probs
+#: fp32 probabilities an accumulating evictor's attention holds at once (see :func:`_attention_observed`).
+PROBS_CHUNK_BYTES = 256 * 2**20
+
+
+def _attention_observed(query, view, mask, positions, scaling, observe):
+    """Plain attention for evictors that accumulate what it gives (``h2o``): the output and the
+    summed per-slot increments ``observe`` makes of the probabilities. The queries go in chunks
+    of at most :data:`PROBS_CHUNK_BYTES` of fp32 probabilities: whole, a prefill's would take
+    ``B x Hq x T x L x 4`` bytes per layer (8.6 GB per row at 8K tokens and 32 query heads).
+    ``observe`` is additive over queries (the :meth:`Evictor.observe` contract)."""
+    B, Hq, T, _ = query.shape
+    group = Hq // view.keys.shape[1]
+    k = view.keys.repeat_interleave(group, dim=1)
+    v = view.values.repeat_interleave(group, dim=1)
+    rows = max(1, PROBS_CHUNK_BYTES // (B * Hq * k.shape[2] * 4))
+    outs, total = [], {}
+    for s in range(0, T, rows):
+        logits = (query[:, :, s:s + rows] @ k.transpose(-1, -2)).float() * scaling
+        probs = logits.masked_fill_(~mask[:, :, s:s + rows], float("-inf")).softmax(-1)
+        outs.append(probs.to(v.dtype) @ v)
+        probs *= (positions[:, s:s + rows] >= 0)[:, None, :, None]  # padding queries receive nothing
+        for name, d in (observe(probs, view.valid) or {}).items():
+            total[name] = total[name] + d if name in total else d
+    return torch.cat(outs, dim=2), total
 
 
 class KVComposeCache(Cache):
