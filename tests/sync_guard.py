@@ -81,15 +81,15 @@ def no_host_sync():
     T = torch.Tensor
     reads = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy")
     sized = ("nonzero", "argwhere", "unique", "masked_select")  # output size depends on the data
-    names = (*reads, *sized, "where", "__getitem__", "__setitem__")
+    names = (*reads, *sized, "__getitem__", "__setitem__")
     saved = {n: getattr(T, n) for n in names}
+    own = {n for n in names if n in vars(T)}  # the others are inherited: delete the patch afterwards
     functions = {n: getattr(torch, n) for n in (*sized, "where")}
 
-    def refuse(name, original):
+    def refuse(name, original, what="has a data-dependent output size"):
         def method(self, *args, **kwargs):
             if _inside_ops():
                 return original(self, *args, **kwargs)
-            what = "reads a device value on the host" if name in reads else "has a data-dependent output size"
             raise HostSyncError(f"{name} {what}")
         return method
 
@@ -114,8 +114,8 @@ def no_host_sync():
             raise HostSyncError(f"a Python scalar ({value!r}) written through a tensor index is a host copy")
         return saved["__setitem__"](self, index, value)
 
-    patched = {n: refuse(f"Tensor.{n}", saved[n]) for n in (*reads, *sized)}
-    patched.update(where=where(saved["where"]), __getitem__=getitem, __setitem__=setitem)
+    patched = {n: refuse(f"Tensor.{n}", saved[n], "reads a device value on the host") for n in reads}
+    patched.update({n: refuse(f"Tensor.{n}", saved[n]) for n in sized}, __getitem__=getitem, __setitem__=setitem)
     tensor = torch.tensor
 
     def from_host(*args, **kwargs):
@@ -132,7 +132,10 @@ def no_host_sync():
         yield
     finally:
         for n, f in saved.items():
-            setattr(T, n, f)
+            if n in own:
+                setattr(T, n, f)
+            else:
+                delattr(T, n)
         for n, f in functions.items():
             setattr(torch, n, f)
         torch.tensor = tensor

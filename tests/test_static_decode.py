@@ -122,8 +122,13 @@ def test_sync_guard_refuses_host_reads():
                      lambda: torch.unique(t), lambda: t.masked_select(t > 1), lambda: torch.where(t > 1)):
             with pytest.raises(HostSyncError):
                 read()
+        with pytest.raises(HostSyncError, match="Tensor.item reads a device value"):
+            t.sum().item()
+        with pytest.raises(HostSyncError, match="torch.unique has a data-dependent output size"):
+            torch.unique(t)
         t[t.clamp(max=2)] = t.flip(0)  # tensor values through tensor indices are fine
         assert torch.equal(torch.where(t > 1, t, 0), t.where(t > 1, 0))  # both values given: fixed size
+    assert "cpu" not in vars(torch.Tensor) and torch.unique is torch.functional.unique  # restored as they were
     assert torch.where(torch.arange(4) > 1)[0].tolist() == [2, 3] and torch.arange(3).cpu().numpy().sum() == 3  # restored
 
 

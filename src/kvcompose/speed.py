@@ -245,13 +245,14 @@ def fit_transformers_static(model, prompt: int, new_tokens: int, cap_gib: float,
     size = model.dtype.itemsize
     per_row = (2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * size * (prompt + new_tokens)
                + 3 * prompt * getattr(text, "intermediate_size", 4 * text.hidden_size) * size)  # gate, up, product
-    batch = largest_batch(torch.cuda.memory_allocated() + headroom_gib * 2**30, per_row, cap_gib * 2**30)
+    fixed = torch.cuda.memory_allocated()  # the weights and whatever else stays
+    batch = largest_batch(fixed + headroom_gib * 2**30, per_row, cap_gib * 2**30)
 
     def run(b: int) -> dict:
         ids, mask = random_prompts(text.vocab_size, b, prompt, model.device)
         return time_transformers_static(model, ids, mask, window, cache_len=prompt + new_tokens)
 
-    return dict(run_backing_off(run, batch, cap_gib, retries), memory_cap_gib=cap_gib)
+    return dict(run_backing_off(run, batch, cap_gib, retries, fixed_gib=fixed / 2**30), memory_cap_gib=cap_gib)
 
 
 def _check_fit(window: int, new_tokens: int) -> None:

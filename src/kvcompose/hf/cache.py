@@ -290,8 +290,9 @@ PROBS_CHUNK_BYTES = 256 * 2**20
 def _attention_observed(query, view, mask, positions, scaling, observe):
     """Plain attention for evictors that accumulate what it gives (``h2o``): the output and the
     summed per-slot increments ``observe`` makes of the probabilities. The queries go in chunks
-    of at most :data:`PROBS_CHUNK_BYTES` of fp32 probabilities: whole, a prefill's would take
-    ``B x Hq x T x L x 4`` bytes per layer (8.6 GB per row at 8K tokens and 32 query heads).
+    whose fp32 probabilities take at most :data:`PROBS_CHUNK_BYTES` (with the logits and the
+    cast for the values about 2.5 times that): whole, a prefill's would take ``B x Hq x T x L x 4``
+    bytes per layer (8.6 GB per row at 8K tokens and 32 query heads), several times over.
     ``observe`` is additive over queries (the :meth:`Evictor.observe` contract)."""
     B, Hq, T, _ = query.shape
     group = Hq // view.keys.shape[1]

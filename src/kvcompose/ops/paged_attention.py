@@ -685,7 +685,7 @@ def _mass_kernel(logit_ptr, lse_ptr, table_ptr, valid_ptr, mass_ptr, weight_ptr,
 def _operand_args(op: KVOperand, device) -> tuple:
     # a pointer for the arrays a format lacks (never read): one tensor per device, not a
     # fill kernel per call (128 graph nodes per step at 32 layers)
-    dummy = device_constant((0.0,), device)
+    dummy = device_constant((0.0,), device, torch.float32)
     return (op.codes, op.scale if op.scale is not None else dummy, op.minimum if op.minimum is not None else dummy,
             op.head_scale.float().contiguous() if op.head_scale is not None else dummy)
 
