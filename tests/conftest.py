@@ -14,6 +14,11 @@ def gpu_run(config) -> bool:
 
 
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One CPU thread per worker process (and its subprocesses): several workers each running
+        # as many threads as cores made the suite about three times slower on 2 cores.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     # Triton kernels are compiled or interpreted when they are defined, so this is decided
     # before kvcompose is imported: a GPU run compiles them; any other run interprets them
     # on the CPU (and skips the gpu tests, which never run in the interpreter).
