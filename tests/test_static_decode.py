@@ -326,6 +326,8 @@ def test_fixed_memory_runs_back_off_from_out_of_memory_and_the_cap():
     row = run_backing_off(lambda b: tried.append(b) or {"batch": b, "peak_gib": 70.01 if b == 100 else 69.0}, 100,
                           70.0, 4, fixed_gib=16.0)
     assert tried == [100, 97]
+    with pytest.raises(ValueError, match="fixed_gib=17179869184"):  # bytes where GiB are meant
+        run_backing_off(lambda b: {"batch": b, "peak_gib": 1.0}, 8, 70.0, 4, fixed_gib=17179869184)
 
 
 @pytest.mark.gpu

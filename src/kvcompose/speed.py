@@ -174,6 +174,9 @@ def run_backing_off(run_at, batch: int, cap_gib: float, retries: int, fixed_gib:
     (out of memory, or no ``fixed_gib``) it is 90% of the last. The record lists the batches
     that did not fit (``over_cap_at``); ``over_cap`` says whether its own peak is over the cap
     (retries used up)."""
+    if fixed_gib is not None and not 0 <= fixed_gib < cap_gib:
+        raise ValueError(f"fixed_gib={fixed_gib!r}: the memory that does not grow with the batch must be in GiB, "
+                         f"at least 0 and under the cap ({cap_gib} GiB)")
     too_big = []
     while True:
         peak = None
@@ -197,7 +200,7 @@ def run_backing_off(run_at, batch: int, cap_gib: float, retries: int, fixed_gib:
 
 def _next_batch(batch: int, peak: float | None, cap_gib: float, fixed_gib: float | None) -> int:
     """The batch to try after ``batch`` did not fit (see :func:`run_backing_off`)."""
-    if peak is None or fixed_gib is None or not fixed_gib < cap_gib < peak:
+    if peak is None or fixed_gib is None:
         return math.floor(batch * 0.9)
     return min(batch - 1, math.floor(0.98 * batch * (cap_gib - fixed_gib) / (peak - fixed_gib)))
 
