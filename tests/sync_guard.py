@@ -21,7 +21,12 @@ import sys
 import torch
 
 CONSTANTS = os.sep + os.path.join("kvcompose", "device_constants.py")
-TRITON = os.sep + "triton" + os.sep
+try:  # Triton's own package folder (a checkout under some other folder named "triton" is not let through)
+    import triton
+
+    TRITON = os.path.dirname(triton.__file__) + os.sep
+except ImportError:
+    TRITON = os.sep + "no triton" + os.sep
 
 
 def _inside_ops() -> bool:
@@ -29,7 +34,7 @@ def _inside_ops() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if TRITON in name or name.endswith(CONSTANTS):
+        if name.startswith(TRITON) or name.endswith(CONSTANTS):
             return True
         frame = frame.f_back
     return False
