@@ -22,29 +22,34 @@ PAIRS = [("dense", "dense", "bf16", "fp32", 0), ("fp8", "fp8", "u8", "fp32", 0),
          ("ternary", "ternary", "u8", "u8", 0), ("int", "int", "u8", "fp16", 4), ("int_channel", "int", "u8", "fp16", 2)]
 
 
-def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, block=launch_plan.FEW_ROWS_SHAPE[0]):
-    ptr = {"q": "*bf16", "out": "*fp32", "lse": "*fp32", "score": "*fp32", "table": "*i32", "valid": "*u8"}
-    for role in ("k", "v"):
-        ptr.update({f"{role}c": f"*{codes}", f"{role}s": f"*{scale}", f"{role}m": f"*{scale}", f"{role}hs": "*fp32"})
-    names = {"q": "q_ptr", "out": "out_ptr", "lse": "lse_ptr", "score": "score_ptr", "table": "table_ptr",
-             "valid": "valid_ptr"}
-    sig = {names.get(k, f"{k}_ptr"): v for k, v in ptr.items()}
-    sig.update({"W": "i32", "tokens_per_split": "i32", "split0": "i32", "total_splits": "i32", "col0": "i32",
-                "total_cols": "i32", "qk_scale": "fp32"})
-    consts = dict(KFMT=pa.FORMATS[kfmt], VFMT=pa.FORMATS[vfmt], KBITS=bits, VBITS=bits, KGROUP=32, VGROUP=32,
-                  KEX=kfmt in pa.EXACT_FORMATS, VEX=vfmt in pa.EXACT_FORMATS, KTG=16, H=8 // group if group > 1 else 8, G=group, GP=16, D=head_dim, BS=16,
-                  BLOCK=block, SCORES=scores, PREC="tf32", OUT=1, NATIVE=True)
-    consts["KPER"] = 8 // bits if bits else {"nvfp4": 2, "ternary": 4}.get(kfmt, 1)
-    consts["VPER"] = consts["KPER"]
-    consts["KFOLD"] = kfmt == "int_channel"  # KIVI keys: runs of 16 slots share a token group
-    return sig, consts
+def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, block=launch_plan.TILE_SHAPE[0],
+                    buffer=True):
+    """Signature and constants of one launch: a pool in the given formats, then (``buffer``)
+    the dense bf16 recent buffer on the light tile, as the store hands them over."""
+    def source(kc, ks, vc, vs):
+        ptrs = ("*i32", "*u8", f"*{kc}", f"*{ks}", f"*{ks}", "*fp32", f"*{vc}", f"*{vs}", f"*{vs}", "*fp32")
+        return ptrs + ("i32",) * 6
+
+    per = 8 // bits if bits else {"nvfp4": 2, "ternary": 4}.get(kfmt, 1)
+    pool = dict(KFMT=pa.FORMATS[kfmt], VFMT=pa.FORMATS[vfmt], KBITS=bits, VBITS=bits, KGROUP=32, VGROUP=32, KTG=16,
+                KPER=per, VPER=per, KEX=kfmt in pa.EXACT_FORMATS, VEX=vfmt in pa.EXACT_FORMATS,
+                KFOLD=kfmt == "int_channel", BS=16, BLOCK=block, STAGES=pa.STAGES)  # KIVI: 16-slot token groups
+    dense = dict(KFMT=0, VFMT=0, KBITS=0, VBITS=0, KGROUP=1, VGROUP=1, KTG=1, KPER=1, VPER=1, KEX=False, VEX=False,
+                 KFOLD=False, BS=16, BLOCK=pa.SMALL_TILE, STAGES=pa.SMALL_STAGES)
+    sources = [source(codes, scale, codes, scale)] + ([source("bf16", "fp32", "bf16", "fp32")] if buffer else [])
+    consts = [tuple(c[n] for n in pa.SOURCE_CONSTS) for c in [pool] + ([dense] if buffer else [])]
+    sig = {"q_ptr": "*bf16", "out_ptr": "*fp32", "lse_ptr": "*fp32", "score_ptr": "*fp32", "total_splits": "i32",
+           "total_cols": "i32", "qk_scale": "fp32", "sources": tuple(sources)}
+    return sig, dict(CONSTS=tuple(consts), NSRC=len(consts), H=8 // group if group > 1 else 8, G=group, GP=16,
+                     D=head_dim, SCORES=scores, PREC="tf32", OUT=1, NATIVE=True)
 
 
 def main() -> int:
     count = 0
     for kfmt, vfmt, codes, scale, bits in PAIRS:
-        # both launch shapes (attention_launch.launch_shape), each at one of the (group, head dim) cases
-        for (group, head_dim), (block, warps) in zip(((1, 64), (8, 128)), (launch_plan.FEW_ROWS_SHAPE, launch_plan.MANY_ROWS_SHAPE)):
+        # the launch shape (attention_launch.TILE_SHAPE) and two warps on 64-token tiles (the sweep's
+        # alternative), each at one of the (group, head dim) cases
+        for (group, head_dim), (block, warps) in zip(((1, 64), (8, 128)), ((64, 2), launch_plan.TILE_SHAPE)):
             sig, consts = partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, kfmt == "dense", block)
             kernel = compile_for_hopper(pa._paged_partial_kernel, sig, consts, warps)
             print(f"partial {kfmt}/{vfmt} G={group} D={head_dim} tile {block} x {warps} warps: "
@@ -52,11 +57,13 @@ def main() -> int:
             count += 1
     # KIVI keys decoded per element (fp16 queries, token groups under 16 slots)
     sig, consts = partial_variant("int_channel", "int", "u8", "fp16", 2, 4, 128, False)
-    kernel = compile_for_hopper(pa._paged_partial_kernel, dict(sig, q_ptr="*fp16"), dict(consts, KFOLD=False, OUT=2), 1)
+    kivi = dict(zip(pa.SOURCE_CONSTS, consts["CONSTS"][0]), KFOLD=False)
+    consts = dict(consts, CONSTS=(tuple(kivi.values()), consts["CONSTS"][1]), OUT=2)
+    kernel = compile_for_hopper(pa._paged_partial_kernel, dict(sig, q_ptr="*fp16"), consts, 1)
     print(f"partial int_channel/int per element, fp16: {len(kernel.asm['cubin'])} bytes of cubin", flush=True)
     count += 1
     sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32", "S": "i32"}
-    for _, warps in (launch_plan.FEW_ROWS_SHAPE, launch_plan.MANY_ROWS_SHAPE):  # the merge runs on the partial kernel's warps
+    for warps in (1, 2):  # the merge runs on the partial kernel's warps
         kernel = compile_for_hopper(pa._merge_kernel, sig, dict(D=128, SP=128, DP=128, OUT=1, CHUNK=pa.MERGE_CHUNK),
                                     warps)
         print(f"merge, {warps} warps: {len(kernel.asm['cubin'])} bytes of cubin")

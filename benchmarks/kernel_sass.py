@@ -45,9 +45,17 @@ H, D = 8, 128  # Llama-3-8B KV shape
 
 def compile_for_hopper(fn, signature: dict, constexprs: dict, num_warps: int, aligned_ints=()):
     """Compile ``fn`` for sm_90 with 16-byte aligned pointers (as the JIT would specialize them)."""
-    names = list(signature)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if signature[n].startswith("*") or n in aligned_ints}
+    attrs = {}
+
+    def mark(path, ty, name):  # a pointer, or a pointer inside a tuple argument (keyed by its path)
+        if isinstance(ty, tuple):
+            for j, t in enumerate(ty):
+                mark(path + (j,), t, name)
+        elif ty.startswith("*") or name in aligned_ints:
+            attrs[path] = [["tt.divisibility", 16]]
+
+    for i, (name, ty) in enumerate(signature.items()):
+        mark((i,), ty, name)
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": num_warps, "enable_fp_fusion": False}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -139,12 +139,12 @@ def attention(lines: list[str]) -> None:
     lines += ["## Fused paged decode attention", "", f"`attention_gpu.json` — {_env(data)}", "",
               "One decode step of one layer at Llama-3-8B shapes (32 query heads, 8 KV heads of 128): the tokens "
               "sit in shuffled 16-slot blocks in their storage format plus a 16-token bf16 buffer; the op is timed "
-              "as a CUDA-graph replay (one partial launch per source and the merge). TB/s counts the bytes the op "
+              "as a CUDA-graph replay (its partial launch and the merge). TB/s counts the bytes the op "
               f"must read (codes, scales, block tables, validity, queries); copy bandwidth "
               f"**{data['copy_tb_per_s']:.2f} TB/s**. SDPA: bf16 K/V of the same logical tokens, flash backend, "
               f"no mask. Targets: {t['frac_copy']:.0%} of copy at the three larger shapes; speed-up "
               + ", ".join(f"{k} {v}x" for k, v in t["speedup"].items()) + ". *launch*: tokens per tile x warps "
-              "of the partial kernel, which the op picks from the number of (row, KV head) programs. "
+              "of the partial kernel. "
               + data.get("notes", ""), ""]
 
     def launch(r):

@@ -1,14 +1,17 @@
 """Launch-shape sweep of the paged attention kernel (tokens per tile, warps, stages, registers).
 
 Sets the module constants of :mod:`kvcompose.ops.paged_attention` and
-:mod:`kvcompose.ops.attention_launch` and times a few formats
-and shapes of :mod:`bench_attention_gpu`; prints one line per variant with the programs per
-SM that each variant's compiled kernel allows (the split plan follows it). Used to pick the
-defaults; results go to stdout only.
+:mod:`kvcompose.ops.attention_launch`, times formats and shapes of
+:mod:`bench_attention_gpu`, and prints one line per variant with each cell's time and the
+compiled pool kernel's registers per thread, shared memory and programs per SM (the split
+plan follows the last). Used to pick the defaults; results go to stdout only.
+
+    python benchmarks/sweep_attention_gpu.py --variants 32,1,3,0 32,1,2,96 --formats nvfp4 ternary
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -17,29 +20,55 @@ import bench_attention_gpu as bench
 from kvcompose.ops import attention_launch as launch_plan
 from kvcompose.ops import paged_attention as pa
 
+DEFAULT_VARIANTS = ["32,1,3,0", "32,1,2,0", "32,1,4,0", "32,1,3,96", "32,1,2,80", "64,2,3,0", "16,1,3,0"]
 
-def main() -> int:
-    shapes = [(1, 32768), (16, 8192), (64, 4096)]
-    formats = ["bf16", "fp8", "nvfp4", "ternary"]
-    data = {(f, b, l): bench.build(f, b, l, "cuda") for f in formats for b, l in shapes}
+
+def compiled_facts(q: torch.Tensor, sources, shape) -> str:
+    """Registers per thread, shared bytes and programs per SM of the pool's compiled variant."""
+    cols = sum(s.tokens for s in sources)
+    args, consts = pa._partial_launch(q, sources, False, shape)
+    if pa.ONE_LAUNCH and pa.CAP_UNION_REGISTERS:
+        consts = dict(consts, maxnreg=pa._registers(q, (args[:1], dict(consts, CONSTS=consts["CONSTS"][:1], NSRC=1)),
+                                                    cols))
+    if not pa.ONE_LAUNCH:  # the pool's own launch
+        args, consts = args[:1], dict(consts, CONSTS=consts["CONSTS"][:1], NSRC=1)
+    resident = pa._resident(q, (args, consts), cols)
+    kernel = pa.compiled_partial(q, (args, consts), cols)
+    kernel._init_handles()
+    return f"r{kernel.n_regs}/s{kernel.metadata.shared}/p{resident}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
+                   help="block,warps,stages,maxnreg (0: the compiler's choice)")
+    p.add_argument("--formats", nargs="*", default=["bf16", "fp8", "nvfp4", "ternary", "int4"])
+    p.add_argument("--shapes", nargs="*", default=["1x32768", "16x8192", "64x4096"])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--launches", nargs="*", default=["one"], choices=["one", "one-capped", "each"],
+                   help="one partial launch for all sources, or one per source")
+    args = p.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     queries = {(b, l): torch.randn(b, bench.Q_HEADS, 1, bench.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
                for b, l in shapes}
-    variants = [(64, 2, 3, None), (32, 2, 3, None), (64, 4, 3, None), (128, 4, 3, None), (64, 2, 4, None),
-                (64, 2, 2, None), (32, 1, 3, None), (64, 2, 3, 128)]
-    for block, warps, stages, regs in variants:
-        launch_plan.FEW_ROWS_SHAPE = launch_plan.MANY_ROWS_SHAPE = (block, warps)
-        pa.STAGES, pa.MAX_REGISTERS = stages, regs
+    data = {(f, b, l): bench.build(f, b, l, "cuda") for f in args.formats for b, l in shapes}
+    for variant, launches in [(v, m) for v in args.variants for m in args.launches]:
+        block, warps, stages, regs = (int(v) for v in variant.split(","))
+        pa.ONE_LAUNCH = launches != "each"
+        pa.CAP_UNION_REGISTERS = launches == "one-capped"
+        pa.TILE_SHAPE = (block, warps)
+        pa.STAGES, pa.MAX_REGISTERS = stages, (regs or None)
+        pa._RESIDENT.clear()
         cells = []
         for (f, b, l), sources in data.items():
             q = queries[(b, l)]
             try:
-                ms = bench.graph_ms(lambda: pa.paged_decode_attention(q, sources, 0.088), 30)
-                launch = pa._partial_launch(q, sources[0], False, (block, warps))
-                resident = pa._resident(q, launch, sum(src.tokens for src in sources))
-                cells.append(f"{f}@{b}x{l}={ms * 1e3:.0f}us/{resident}")
+                ms = bench.graph_ms(lambda: pa.paged_decode_attention(q, sources, 0.088), args.repeats)
+                cells.append(f"{f}@{b}x{l}={ms * 1e3:.1f}us[{compiled_facts(q, sources, (block, warps))}]")
             except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is reported
-                cells.append(f"{f}@{b}x{l}=ERR({type(e).__name__})")
-        print(f"BLOCK={block:3d} WARPS={warps} STAGES={stages} REGS={regs}: " + " ".join(cells), flush=True)
+                cells.append(f"{f}@{b}x{l}=ERR({type(e).__name__}: {str(e)[:60]})")
+        print(f"BLOCK={block:3d} WARPS={warps} STAGES={stages} REGS={regs} launches={launches}: " + " ".join(cells),
+              flush=True)
     return 0
 
 

@@ -17,6 +17,7 @@ from kvcompose.ops.paged_attention import (
 )
 
 FORMATS = ["dense", "fp8", "nvfp4", "ternary", "int", "int_channel"]
+TWO_WARP_SHAPE = (64, 2)  # a launch shape other than the default (tokens per tile, warps)
 UNIT = {"fp8": 1 / 448, "nvfp4": 1 / (6 * 448), "ternary": 1 / 448}  # per-head scale of amax 1
 
 
@@ -109,11 +110,18 @@ def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monke
     key = KVOperand("int_channel", p.codes, p.scale, p.minimum, bits=2, token_group=token_group)
     src = PagedSource(key, operand("int", v, row_of, len(lengths), "value", g), table, bs, valid)
     query = torch.randn(len(lengths), 8, 1, 64).to(torch.bfloat16)
-    for shape in (attention_launch.FEW_ROWS_SHAPE, attention_launch.MANY_ROWS_SHAPE):
-        monkeypatch.setattr(pa, "launch_shape", lambda rows, shape=shape: shape)
-        assert pa._partial_launch(query, src, False, shape)[1]["KFOLD"] == (shape[0] <= token_group)
+    for shape in (TWO_WARP_SHAPE, attention_launch.TILE_SHAPE):
+        monkeypatch.setattr(pa, "TILE_SHAPE", shape)
+        assert source_constants(query, src, shape)["KFOLD"] == (shape[0] <= token_group)
         check_close(query, [src])
-    assert not pa._partial_launch(query.half(), src, False, shape)[1]["KFOLD"]  # q * scale could overflow fp16
+    assert not source_constants(query.half(), src, shape)["KFOLD"]  # q * scale could overflow fp16
+
+
+def source_constants(query, src, shape) -> dict:
+    """The compile-time constants the launcher picks for one source."""
+    from kvcompose.ops import paged_attention as pa
+
+    return dict(zip(pa.SOURCE_CONSTS, pa._partial_launch(query, [src], False, shape)[1]["CONSTS"][0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -122,20 +130,38 @@ def test_kernel_matches_reference_other_dtypes(dtype):
     check_close(torch.randn(2, 4, 1, 64).to(dtype), [src])
 
 
-def test_mixed_formats_holes_and_buffer_in_one_call():
-    """ThinKV's layout: an NVFP4 pool (R and E), a ternary pool (T) with holes, the bf16 buffer."""
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_mixed_formats_holes_and_buffer_in_one_call(one_launch, monkeypatch):
+    """ThinKV's layout: an NVFP4 pool (R and E), a ternary pool (T) with holes, the bf16 buffer;
+    all three in one partial launch (then one merge), or a launch each: the same attention."""
+    from kvcompose.ops import paged_attention as pa
+
+    monkeypatch.setattr(pa, "ONE_LAUNCH", one_launch)
+    launches = count_launches(monkeypatch, pa._paged_partial_kernel, pa._merge_kernel)
     lengths = [50, 3, 90]
     sources = [make_source("nvfp4", lengths, 2, 64, seed=1), make_source("ternary", lengths, 2, 64, holes=True, seed=2),
                make_source("dense", [5, 0, 15], 2, 64, bs=15, seed=3)]
     check_close(torch.randn(3, 8, 1, 64).to(torch.bfloat16), sources)
+    assert launches == {"_paged_partial_kernel": 1 if one_launch else 3, "_merge_kernel": 1}
+
+
+def count_launches(monkeypatch, *kernels) -> dict:
+    """Launches of each interpreted kernel from now on, by name (filled in as they run)."""
+    counts = {}
+    for kernel in kernels:
+        def run(*args, _run=kernel.run, _name=kernel.fn.__name__, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(kernel, "run", run)
+    return counts
 
 
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4", "int_channel"])
-def test_many_rows_launch_shape_matches_reference(fmt, monkeypatch):
-    """Past MANY_ROWS programs the kernel runs 32-token tiles on one warp (launch_shape): same attention."""
-    monkeypatch.setattr(attention_launch, "MANY_ROWS", 1)
-    launch = attention_launch
-    assert launch.launch_shape(4) == launch.MANY_ROWS_SHAPE != launch.FEW_ROWS_SHAPE
+def test_two_warp_tiles_match_reference(fmt, monkeypatch):
+    """The kernel also runs 64-token tiles on two warps (what the launch-shape sweep compares): same attention."""
+    from kvcompose.ops import paged_attention as pa
+
+    monkeypatch.setattr(pa, "TILE_SHAPE", TWO_WARP_SHAPE)
     lengths = [50, 3, 90]
     sources = [make_source(fmt, lengths, 2, 64, holes=True, seed=5), make_source("dense", [5, 0, 15], 2, 64, bs=15)]
     query = torch.randn(3, 8, 1, 64).to(torch.bfloat16)
@@ -308,8 +334,8 @@ def test_cuda_split_plan_reads_the_compiled_kernel():
 
     src = make_source("nvfp4", [4096] * 2, 8, 128, device="cuda")
     query = torch.zeros(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    for shape in (attention_launch.FEW_ROWS_SHAPE, attention_launch.MANY_ROWS_SHAPE):
-        launch = pa._partial_launch(query, src, False, shape)
+    for shape in (TWO_WARP_SHAPE, attention_launch.TILE_SHAPE):
+        launch = pa._partial_launch(query, [src], False, shape)
         resident = pa._resident(query, launch, src.tokens)
         assert 1 <= resident <= 32 and resident == pa._resident(query, launch, src.tokens)
 

@@ -3,7 +3,7 @@
 The partial kernel of :mod:`kvcompose.ops.paged_attention` runs one program per (row, KV
 head, split). Its speed depends on how many programs an SM holds at once and on the last
 wave of the grid, so the launcher asks three questions, answered here without touching
-the kernel: which tile shape (:func:`launch_shape`), how many programs of a compiled
+the kernel: which tile shape (``TILE_SHAPE``), how many programs of a compiled
 variant fit on one SM (:func:`resident_programs`), and how many splits per row
 (:func:`plan_splits`).
 """
@@ -16,27 +16,20 @@ import torch
 
 from .quant_common import cdiv
 
-# Launch shape of the partial kernel: (tokens per tile, warps), by the number of (row, KV head)
-# programs per split. Swept on an H100 at 8 KV heads x 128 (benchmarks/sweep_attention_gpu.py):
-# with many programs, one warp on 32-token tiles keeps 9-12 programs resident per SM instead of 3-5
-# and ran 5-40% faster at 16 x 8K, 64 x 4K and 256 x 1K in every format; with few (8 at 1 x 32K),
-# split-KV cuts each row into up to 128 short splits and two warps on 64-token tiles ran 1.1-1.7x
-# faster. MANY_ROWS sits between the two measured counts (8 and 128).
-FEW_ROWS_SHAPE = (64, 2)
-MANY_ROWS_SHAPE = (32, 1)
-MANY_ROWS = 64
+# Launch shape of the partial kernel: (tokens per tile, warps). One warp on 32-token tiles keeps
+# 9-12 programs resident per SM (registers bound them: 170-240 per thread). Swept on an H200
+# (benchmarks/sweep_attention_gpu.py, session 16): fastest in every format at 16 x 8K, 64 x 4K
+# and 256 x 1K, and at 1 x 32K too once the recent buffer shares the pool's launch (3-18% under
+# two warps on 64-token tiles, which an earlier H100 sweep had picked for few rows). Two or
+# four warps per program hold nearly as many registers per thread and halve the programs per SM.
+TILE_SHAPE = (32, 1)
 TOKENS_PER_SPLIT_MIN = 256  # a split never holds fewer tokens than this (unless the row is shorter)
 PROGRAMS_PER_SM = 4  # resident programs assumed where the compiled kernel does not say
 WAVE_TOLERANCE = 1.05  # a plan this close to the cheapest counts as cheapest (fewer splits win)
 
 
-def launch_shape(rows: int) -> tuple[int, int]:
-    """(tokens per tile, warps) of the partial kernel for ``rows`` (row, KV head) programs per split."""
-    return MANY_ROWS_SHAPE if rows >= MANY_ROWS else FEW_ROWS_SHAPE
-
-
 def plan_splits(rows: int, tokens: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM,
-                block: int = FEW_ROWS_SHAPE[0]) -> int:
+                block: int = TILE_SHAPE[0]) -> int:
     """Splits per row for ``rows`` (row, KV head) programs over ``tokens`` columns, tiles of
     ``block`` tokens, ``per_sm`` programs resident per SM (see :func:`fewest_waves`); each
     split holds at least ``TOKENS_PER_SPLIT_MIN`` tokens."""
@@ -81,5 +74,5 @@ def resident_programs(kernel, device: torch.device) -> int:
     return max(1, min(by_regs, by_shared, by_threads, 32))
 
 
-__all__ = ["FEW_ROWS_SHAPE", "MANY_ROWS", "MANY_ROWS_SHAPE", "fewest_waves", "launch_shape", "plan_splits",
+__all__ = ["TILE_SHAPE", "fewest_waves", "plan_splits",
            "resident_programs"]

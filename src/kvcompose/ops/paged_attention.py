@@ -5,13 +5,13 @@ live in *sources*: a pool of blocks in one storage format, addressed per row thr
 block table, with a validity bit per slot (evicted, padding and empty slots are off),
 plus the dense recent buffer as one more source. :func:`paged_decode_attention` runs:
 
-1. one launch per source of :func:`_paged_partial_kernel`: a program per (row, KV head,
-   split of the row's tokens) decodes a tile of keys and values where they lie (the
+1. one launch of :func:`_paged_partial_kernel` for all sources: a program per (row, KV
+   head, split of a source's tokens) decodes a tile of keys and values where they lie (the
    values of the format's reference dequantize: exact in fp16 for ``EXACT_FORMATS``,
    otherwise rounded to the query dtype as the dense view is), scores every query head
    of the KV head's group against it with tensor-core dots, and keeps an online
    softmax; it writes a partial output and its log-sum-exp. Split-KV keeps the GPU busy
-   at batch 1 with long rows;
+   at batch 1 with long rows; short sources (the buffer) ride on a program of a long one;
 2. one launch of :func:`_merge_kernel`, which combines the partial results of all
    splits of all sources by their log-sum-exp.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device_constants import device_constant
-from .attention_launch import PROGRAMS_PER_SM, launch_shape, plan_splits, resident_programs
+from .attention_launch import PROGRAMS_PER_SM, TILE_SHAPE, plan_splits, resident_programs
 from .quant_common import (
     HAS_TRITON,
     OUT_KINDS,
@@ -72,6 +72,11 @@ FORMATS = {"dense": 0, "fp8": 1, "nvfp4": 2, "ternary": 3, "int": 4, "int_channe
 #: value to the model dtype instead; the kernel's products are the exact ones.
 EXACT_FORMATS = ("fp8", "nvfp4", "ternary")
 _PER_BYTE = {"dense": 1, "fp8": 1, "nvfp4": 2, "ternary": 4}
+ONE_LAUNCH = True  # every source of a layer in one partial launch (False: a launch per source)
+CAP_UNION_REGISTERS = True  # a shared launch takes at most the registers of its longest source alone
+SMALL_SOURCE_TOKENS = 64  # sources with at most this many columns per row: light tile, ride on another's program
+SMALL_TILE = 16  # tokens per tile of those
+SMALL_STAGES = 1  # and their software-pipelining depth
 MASS_BLOCK = 128  # tokens per program of the attention-mass kernel
 MERGE_CHUNK = 16  # partial results the merge combines per step
 WARPS = 2  # of the attention-mass kernel (the merge takes the partial kernel's)
@@ -519,19 +524,59 @@ def _max_abs(x0, x1, x2, x3):
                       tl.maximum(tl.max(tl.abs(x2)), tl.max(tl.abs(x3))))
 
 
+#: Fields of one source's runtime tuple in a :func:`_paged_partial_kernel` launch.
+SOURCE_FIELDS = ("table", "valid", "key codes", "key scale", "key minimum", "key head scale", "value codes",
+                 "value scale", "value minimum", "value head scale", "table width", "tokens per split",
+                 "first program", "programs", "first partial result", "first column")
+
+
 @jit
-def _paged_partial_kernel(
+def _paged_partial_kernel(q_ptr, out_ptr, lse_ptr, score_ptr, total_splits, total_cols, qk_scale, sources,
+                          CONSTS: tl.constexpr, NSRC: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+                          GP: tl.constexpr, D: tl.constexpr, SCORES: tl.constexpr, PREC: tl.constexpr,
+                          OUT: tl.constexpr, NATIVE: tl.constexpr):
+    """Partial attention of one (row, KV head) over some splits of a layer's sources, all
+    sources in one launch.
+
+    Source ``i`` (runtime fields ``SOURCE_FIELDS``, compile-time constants ``CONSTS[i]``)
+    runs its splits on ``sources[i][13]`` programs from ``program_id(1) == sources[i][12]``
+    on and writes them as partial results from ``sources[i][14]`` on. A short source (the
+    recent buffer) rides on a program of a long one: both branches run there one after
+    the other, so it adds no program and no wave to the launch. Each branch is one source's
+    loop specialized to its format; the compiled kernel takes the registers and shared
+    memory of its largest branch, not their sum."""
+    split = tl.program_id(1)
+    for i in tl.static_range(NSRC):
+        src = sources[i]
+        if (split >= src[12]) & (split < src[12] + src[13]):
+            local = split - src[12]
+            _source_partial(q_ptr, out_ptr, lse_ptr, score_ptr, src[0], src[1], src[2], src[3], src[4], src[5],
+                            src[6], src[7], src[8], src[9], src[10], src[11], local, src[14] + local, total_splits,
+                            src[15], total_cols, qk_scale,
+                            CONSTS[i][0], CONSTS[i][1], CONSTS[i][2], CONSTS[i][3], CONSTS[i][4], CONSTS[i][5],
+                            CONSTS[i][6], CONSTS[i][7], CONSTS[i][8], CONSTS[i][9], CONSTS[i][10], CONSTS[i][11],
+                            H, G, GP, D, CONSTS[i][12], CONSTS[i][13], CONSTS[i][14], SCORES, PREC, OUT, NATIVE)
+
+
+#: Order of a source's compile-time constants in ``CONSTS`` (see :func:`_partial_launch`).
+SOURCE_CONSTS = ("KFMT", "VFMT", "KBITS", "VBITS", "KGROUP", "VGROUP", "KTG", "KPER", "VPER", "KEX", "VEX", "KFOLD",
+                 "BS", "BLOCK", "STAGES")
+
+
+@jit
+def _source_partial(
     q_ptr, out_ptr, lse_ptr, score_ptr, table_ptr, valid_ptr,
     kc_ptr, ks_ptr, km_ptr, khs_ptr, vc_ptr, vs_ptr, vm_ptr, vhs_ptr,
-    W, tokens_per_split, split0, total_splits, col0, total_cols, qk_scale,
+    W, tokens_per_split, local_split, out_split, total_splits, col0, total_cols, qk_scale,
     KFMT: tl.constexpr, VFMT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KGROUP: tl.constexpr, VGROUP: tl.constexpr, KTG: tl.constexpr, KPER: tl.constexpr, VPER: tl.constexpr,
     KEX: tl.constexpr, VEX: tl.constexpr, KFOLD: tl.constexpr,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BLOCK: tl.constexpr, SCORES: tl.constexpr, PREC: tl.constexpr, OUT: tl.constexpr,
-    NATIVE: tl.constexpr,
+    BS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, SCORES: tl.constexpr, PREC: tl.constexpr,
+    OUT: tl.constexpr, NATIVE: tl.constexpr,
 ):
-    """Partial attention of one (row, KV head, split): output ``[G, D]`` and log2-sum-exp ``[G]``.
+    """Partial attention of one (row, KV head, split) of one source: output ``[G, D]`` and
+    log2-sum-exp ``[G]``, written as partial result ``out_split``.
 
     Keys and values come in channel parts (see :func:`_decode_parts`); the score is the sum
     of the parts' dots, and each value part accumulates its own output columns. ``KEX`` /
@@ -539,7 +584,6 @@ def _paged_partial_kernel(
     tensor cores in fp16. ``KFOLD``: KIVI keys scored with their group scale folded into the
     queries (:func:`_kivi_key_scores`)."""
     pid = tl.program_id(0)
-    split = tl.program_id(1)
     row = pid // H
     head = pid % H
     g = tl.arange(0, GP)
@@ -574,10 +618,10 @@ def _paged_partial_kernel(
     acc1 = tl.zeros([GP, DV], tl.float32)
     acc2 = tl.zeros([GP, DV], tl.float32)
     acc3 = tl.zeros([GP, DV], tl.float32)
-    start = split * tokens_per_split
+    start = local_split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, W * BS)
     n = tl.arange(0, BLOCK)
-    for t0 in range(start, end, BLOCK):
+    for t0 in tl.range(start, end, BLOCK, num_stages=STAGES):
         t = t0 + n
         inside = t < end
         blk = tl.load(table_ptr + row * W + t // BS, mask=inside, other=-1).to(tl.int64)
@@ -617,7 +661,7 @@ def _paged_partial_kernel(
         if VPER > 2:
             acc2 = acc2 * alpha[:, None] + tl.dot(pm, _operand(v2, VEX, OUT, NATIVE), input_precision=PREC)
             acc3 = acc3 * alpha[:, None] + tl.dot(pm, _operand(v3, VEX, OUT, NATIVE), input_precision=PREC)
-    at = qrow * total_splits + split0 + split
+    at = qrow * total_splits + out_split
     tl.store(lse_ptr + at, tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf")), mask=gm)
     inv = _head_scale(vhs_ptr, row, head, VFMT, H) / tl.maximum(l_i, 1e-30)
     o = out_ptr + at[:, None] * D + VPER * tl.arange(0, DV)[None, :]
@@ -780,25 +824,42 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
     H = sources[0].key.codes.shape[1]
     cols = sum(s.tokens for s in sources)
     scores = probs or mass is not None
-    shape = launch_shape(B * H)
-    launches = [_partial_launch(q, src, scores, shape) for src in sources]
-    splits, spans = [], []  # splits per source and the tokens of each (a whole number of tiles)
-    for src, launch in zip(sources, launches):
-        block = launch[1]["BLOCK"]
-        n = plan_splits(B * H, src.tokens, device, _resident(q, launch, cols), block)
-        per = cdiv(cdiv(src.tokens, n), block) * block
-        splits.append(cdiv(src.tokens, per))  # rounding up to whole tiles can leave the last splits empty: drop them
-        spans.append(per)
-    total = max(1, sum(splits))
+    shape = TILE_SHAPE
+    args, consts = _partial_launch(q, sources, scores, shape)
+    groups = [list(range(len(sources)))] if ONE_LAUNCH else [[i] for i in range(len(sources))]
+    launches, split0 = [], 0
+    for group in groups:
+        kwargs = dict(consts, CONSTS=tuple(consts["CONSTS"][i] for i in group), NSRC=len(group))
+        # the long sources own the launch's programs; short ones ride on the last program of the longest
+        riders = [i for i in group if small_source(sources[i])] if len(group) > 1 else []
+        owners = [i for i in group if i not in riders] or riders[:1]
+        riders = [i for i in riders if i not in owners]
+        host = max(owners, key=lambda i: sources[i].tokens)
+        if len(group) > 1 and CAP_UNION_REGISTERS and MAX_REGISTERS is None and q.is_cuda:
+            alone = dict(consts, CONSTS=(consts["CONSTS"][host],), NSRC=1)
+            kwargs["maxnreg"] = _registers(q, ([args[host]], alone), cols)
+        per_sm = _resident(q, ([args[i] for i in group], kwargs), cols)
+        fields, programs = {}, 0
+        for i in owners + riders:
+            block = consts["CONSTS"][i][SOURCE_CONSTS.index("BLOCK")]
+            n = plan_splits(B * H, sources[i].tokens, device, per_sm, block) if i in owners else 1
+            per = cdiv(cdiv(sources[i].tokens, n), block) * block  # whole tiles; rounding up can empty the last
+            n = cdiv(sources[i].tokens, per)  # splits: drop those
+            if i in owners:
+                fields[i] = (per, programs, n, split0)
+                programs += n
+            else:
+                fields[i] = (per, fields[host][1] + fields[host][2] - 1, 1, split0)
+            split0 += n
+        for i in group:
+            fields[i] += (sum(sources[j].tokens for j in range(i)),)  # its first column
+        launches.append((programs, tuple(args[i] + fields[i] for i in group), kwargs))
+    total = max(1, split0)
     part = torch.empty(B, Hq, total, D, dtype=torch.float32, device=device)
     lse = torch.empty(B, Hq, total, dtype=torch.float32, device=device)  # every split writes its own
     logits = torch.empty(B, Hq, cols if scores else 1, device=device)  # the splits cover every column
-    split0 = col0 = 0
-    for src, n, per, (args, consts) in zip(sources, splits, spans, launches):
-        _paged_partial_kernel[(B * H, n)](q, part, lse, logits, *args, per, split0, total, col0, cols,
-                                          scaling * LOG2E, **consts)
-        split0 += n
-        col0 += src.tokens
+    for programs, tuples, kwargs in launches:
+        _paged_partial_kernel[(B * H, programs)](q, part, lse, logits, total, cols, scaling * LOG2E, tuples, **kwargs)
     out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
     final = torch.empty(B, Hq, dtype=torch.float32, device=device)
     _merge_kernel[(B * Hq,)](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=next_pow2(D), OUT=kind,
@@ -817,46 +878,80 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
     return out, torch.exp2(logits - final[..., None]).nan_to_num(0.0)  # -inf - -inf (empty row) -> 0
 
 
-def _partial_launch(q: torch.Tensor, src: PagedSource, scores: bool, shape: tuple[int, int]) -> tuple[tuple, dict]:
-    """The source's arguments of :func:`_paged_partial_kernel` (after the outputs, before the
-    split geometry) and its compile-time constants, at launch ``shape`` (:func:`launch_shape`)."""
+def small_source(src: PagedSource) -> bool:
+    """Whether a source's rows are short enough (the recent buffer) for the light tile: 16
+    tokens, no software pipelining. Its branch of the shared launch then never needs more
+    registers or shared memory than a pool's branch."""
+    return src.tokens <= SMALL_SOURCE_TOKENS
+
+
+def _partial_launch(q: torch.Tensor, sources: list[PagedSource], scores: bool,
+                    shape: tuple[int, int]) -> tuple[list[tuple], dict]:
+    """Per source, its runtime arguments of :func:`_paged_partial_kernel` before the split
+    geometry (``SOURCE_FIELDS``); and the launch's keyword arguments, with ``CONSTS`` the
+    sources' compile-time constants (``SOURCE_CONSTS``), at launch ``shape`` (``TILE_SHAPE``: tokens per tile, warps)."""
     D, device = q.shape[-1], q.device
-    table = src.table.contiguous()
-    H = src.key.codes.shape[1]
+    H = sources[0].key.codes.shape[1]
+    args, consts = [], []
+    for src in sources:
+        table = src.table.contiguous()
+        kb, kg, ktg = _operand_constants(src.key, D)
+        vb, vg, _ = _operand_constants(src.value, D)
+        args.append((table, src.valid.view(torch.uint8), *_operand_args(src.key, device),
+                     *_operand_args(src.value, device), table.shape[1]))
+        block, stages = (SMALL_TILE, SMALL_STAGES) if small_source(src) else (shape[0], STAGES)
+        c = dict(KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
+                 KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte, KEX=_exact(src.key, q.dtype),
+                 VEX=_exact(src.value, q.dtype), KFOLD=_folds(src, block, q.dtype), BS=src.block_size,
+                 BLOCK=block, STAGES=stages)
+        consts.append(tuple(c[name] for name in SOURCE_CONSTS))
     G = q.shape[1] // H
-    kb, kg, ktg = _operand_constants(src.key, D)
-    vb, vg, _ = _operand_constants(src.value, D)
-    args = (table, src.valid.view(torch.uint8), *_operand_args(src.key, device), *_operand_args(src.value, device),
-            table.shape[1])
-    consts = dict(
-        KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
-        KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte,
-        KEX=_exact(src.key, q.dtype), VEX=_exact(src.value, q.dtype), KFOLD=_folds(src, shape[0], q.dtype),
-        H=H, G=G, GP=max(16, next_pow2(G)), D=D,
-        BS=src.block_size, BLOCK=shape[0], SCORES=scores, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        OUT=OUT_KINDS[q.dtype], NATIVE=not interpreted(_paged_partial_kernel), num_warps=shape[1], num_stages=STAGES,
+    kwargs = dict(
+        CONSTS=tuple(consts), NSRC=len(sources), H=H, G=G, GP=max(16, next_pow2(G)), D=D, SCORES=scores,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", OUT=OUT_KINDS[q.dtype],
+        NATIVE=not interpreted(_paged_partial_kernel), num_warps=shape[1], num_stages=STAGES,
         **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
     )
-    return args, consts
+    return args, kwargs
 
 
 _RESIDENT: dict = {}  # (device, compile-time constants) -> programs per SM of that variant
 
 
-def _resident(q: torch.Tensor, launch: tuple[tuple, dict], cols: int) -> int:
+def _resident(q: torch.Tensor, launch: tuple[list[tuple], dict], cols: int) -> int:
     """Programs per SM of the variant a launch compiles to; compiled ahead of its first launch
-    (``warmup``, with the launch's own queries and columns; the split geometry is typical) so
-    that even the first call splits as every later one does."""
-    args, consts = launch
+    so that even the first call splits as every later one does."""
     if q.device.type != "cuda":
         return PROGRAMS_PER_SM
-    key = (q.device.index, q.dtype, *consts.values())  # _partial_launch builds consts in one fixed order
+    key = (q.device.index, q.dtype, *launch[1].values())  # _partial_launch builds consts in one fixed order
     if key not in _RESIDENT:
-        out = torch.empty(1, device=q.device)  # the fp32 outputs
-        kernel = _paged_partial_kernel.warmup(q, out, out, out, *args, consts["BLOCK"], 0, 2, 0, cols, 1.0,
-                                              grid=(1, 1), **consts)
-        _RESIDENT[key] = resident_programs(kernel, q.device)
+        _RESIDENT[key] = resident_programs(compiled_partial(q, launch, cols), q.device)
     return _RESIDENT[key]
+
+
+_REGISTERS: dict = {}  # (device, compile-time constants) -> registers per thread of that variant
+
+
+def _registers(q: torch.Tensor, launch: tuple[list[tuple], dict], cols: int) -> int:
+    """Registers per thread of the variant a launch compiles to (the cap of a shared launch:
+    measured on an H200, the short source's branch otherwise raised them by 10-35, costing the
+    long source one or two resident programs per SM)."""
+    key = (q.device.index, q.dtype, *launch[1].values())
+    if key not in _REGISTERS:
+        kernel = compiled_partial(q, launch, cols)
+        kernel._init_handles()
+        _REGISTERS[key] = kernel.n_regs
+    return _REGISTERS[key]
+
+
+def compiled_partial(q: torch.Tensor, launch: tuple[list[tuple], dict], cols: int):
+    """The compiled :func:`_paged_partial_kernel` of a launch (``warmup``: the launch's own
+    queries, sources and columns; a typical split geometry)."""
+    args, consts = launch
+    out = torch.empty(1, device=q.device)  # the fp32 outputs
+    tuples = tuple(a + (c[SOURCE_CONSTS.index("BLOCK")], 2 * i, 2, 2 * i, 0)
+                   for i, (a, c) in enumerate(zip(args, consts["CONSTS"])))
+    return _paged_partial_kernel.warmup(q, out, out, out, 2 * len(args), cols, 1.0, tuples, grid=(1, 1), **consts)
 
 
 def _folds(src: PagedSource, block: int, dtype: torch.dtype) -> bool:
