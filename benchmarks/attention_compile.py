@@ -63,10 +63,10 @@ def main() -> int:
     print(f"partial int_channel/int per element, fp16: {len(kernel.asm['cubin'])} bytes of cubin", flush=True)
     count += 1
     sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32", "S": "i32"}
-    for warps in (1, 2):  # the merge runs on the partial kernel's warps
-        kernel = compile_for_hopper(pa._merge_kernel, sig, dict(D=128, SP=128, DP=128, OUT=1, CHUNK=pa.MERGE_CHUNK),
+    for warps, width in ((pa.MERGE_WARPS, 128), (pa.MERGE_WARPS, pa.MERGE_SLICE)):  # whole rows, sliced
+        kernel = compile_for_hopper(pa._merge_kernel, sig, dict(D=128, SP=128, DP=width, OUT=1, CHUNK=pa.MERGE_CHUNK),
                                     warps)
-        print(f"merge, {warps} warps: {len(kernel.asm['cubin'])} bytes of cubin")
+        print(f"merge, {warps} warps, {width} channels: {len(kernel.asm['cubin'])} bytes of cubin")
         count += 1
     sig = {"logit_ptr": "*fp32", "lse_ptr": "*fp32", "table_ptr": "*i64", "valid_ptr": "*u8", "mass_ptr": "*fp32",
            "weight_ptr": "*fp32", "W": "i32", "tokens": "i32", "col0": "i32", "total_cols": "i32"}

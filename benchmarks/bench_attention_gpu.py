@@ -2,8 +2,9 @@
 
 Llama-3-8B shapes (32 query heads, 8 KV heads of 128), one query per row, B x L in
 {1 x 32K, 16 x 8K, 64 x 4K, 256 x 1K}. Every format's tokens sit in shuffled 16-slot
-blocks of a pool (as the store keeps them) plus a 16-token bf16 recent buffer; the op
-is timed as a CUDA-graph replay (its partial launches and the merge). Reported per
+blocks of a pool (kivi2: 32-slot blocks and token groups, as its preset) plus a 16-token
+bf16 recent buffer; the op is timed as a CUDA-graph replay (its partial launch and the
+merge). Reported per
 (format, shape): milliseconds, effective TB/s on the bytes the op must read (codes,
 scales, block tables, validity, queries), that rate as a fraction of the measured
 device-to-device copy bandwidth, and the speed-up over
@@ -47,9 +48,10 @@ FORMATS = {  # label -> (key quantizer spec, value quantizer spec); None: bf16 a
     "ternary": ("ternary", "ternary"),
     "int4": ({"name": "int", "bits": 4, "group_size": 32},) * 2,
     "int2": ({"name": "int", "bits": 2, "group_size": 32},) * 2,
-    "kivi2": ({"name": "int", "bits": 2, "layout": "kivi", "token_group": 16},
-              {"name": "int", "bits": 2, "layout": "kivi", "token_group": 16}),
+    "kivi2": ({"name": "int", "bits": 2, "layout": "kivi", "token_group": 32},
+              {"name": "int", "bits": 2, "layout": "kivi", "token_group": 32}),
 }
+BLOCK_SIZES = {"kivi2": 32}  # the kivi2 preset's blocks and token groups (16-slot blocks elsewhere)
 UNIT = {"fp8": 1 / 448, "nvfp4": 1 / (6 * 448), "ternary": 1 / 448}
 TARGETS = {"frac_copy": 0.8, "speedup": {"nvfp4": 3.0, "ternary": 3.0, "fp8": 1.8, "bf16": 1.0}}
 
@@ -71,11 +73,12 @@ def build(label: str, B: int, L: int, device) -> tuple[list[PagedSource], torch.
     """The pool + buffer sources of ``B`` rows of ``L`` tokens, and the same tokens as dense bf16 K, V."""
     g = torch.Generator(device=device).manual_seed(0)
     pool_tokens = L - BUFFER
-    W = pool_tokens // BLOCK
+    bs = BLOCK_SIZES.get(label, BLOCK)
+    W = pool_tokens // bs  # kivi2: 16 tokens fewer than L - BUFFER (whole 32-slot blocks)
     perm = torch.randperm(B * W, device=device, generator=g)
     table = perm.view(B, W)
-    row_of = torch.arange(B, device=device).repeat_interleave(W)[torch.argsort(perm)].repeat_interleave(BLOCK)
-    n = B * W * BLOCK
+    row_of = torch.arange(B, device=device).repeat_interleave(W)[torch.argsort(perm)].repeat_interleave(bs)
+    n = B * W * bs
     kspec, vspec = FORMATS[label]
     # Quantize in chunks to bound the temporary bf16 tensors.
     k = torch.randn(n, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g)
@@ -89,7 +92,7 @@ def build(label: str, B: int, L: int, device) -> tuple[list[PagedSource], torch.
     buffer = PagedSource(KVOperand("dense", buf[0]), KVOperand("dense", buf[1]),
                          torch.arange(B, device=device)[:, None], BUFFER, torch.ones(B * BUFFER, dtype=torch.bool,
                                                                                       device=device))
-    return [PagedSource(key, value, table, BLOCK, valid), buffer]
+    return [PagedSource(key, value, table, bs, valid), buffer]
 
 
 def graph_ms(fn, repeats: int, warmup: int = 3) -> float:
@@ -199,7 +202,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter()
     copy, results = run(SMOKE_SHAPES if args.smoke else SHAPES, args.formats, 5 if args.smoke else args.repeats)
     data = {"benchmark": "fused paged decode attention vs bf16 SDPA", "smoke": args.smoke,
-            "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK,
+            "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "block_sizes": BLOCK_SIZES,
                        "buffer_tokens": BUFFER},
             "targets": TARGETS, "copy_tb_per_s": copy, "results": results,
             "seconds": time.perf_counter() - wall, "environment": common.environment()}

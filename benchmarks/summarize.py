@@ -138,7 +138,8 @@ def attention(lines: list[str]) -> None:
     t = data["targets"]
     lines += ["## Fused paged decode attention", "", f"`attention_gpu.json` — {_env(data)}", "",
               "One decode step of one layer at Llama-3-8B shapes (32 query heads, 8 KV heads of 128): the tokens "
-              "sit in shuffled 16-slot blocks in their storage format plus a 16-token bf16 buffer; the op is timed "
+              "sit in shuffled 16-slot blocks (kivi2: 32-slot blocks and token groups, as its preset) in their storage "
+              "format plus a 16-token bf16 buffer; the op is timed "
               "as a CUDA-graph replay (its partial launch and the merge). TB/s counts the bytes the op "
               f"must read (codes, scales, block tables, validity, queries); copy bandwidth "
               f"**{data['copy_tb_per_s']:.2f} TB/s**. SDPA: bf16 K/V of the same logical tokens, flash backend, "

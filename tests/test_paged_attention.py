@@ -145,6 +145,17 @@ def test_mixed_formats_holes_and_buffer_in_one_call(one_launch, monkeypatch):
     assert launches == {"_paged_partial_kernel": 1 if one_launch else 3, "_merge_kernel": 1}
 
 
+@pytest.mark.parametrize("merge_rows", [1, 1 << 20])
+def test_merge_by_whole_rows_or_channel_slices(merge_rows, monkeypatch):
+    """The merge takes a whole row's channels per program from MERGE_ROWS (row, head) pairs on,
+    slices of them below: the same attention either way."""
+    from kvcompose.ops import paged_attention as pa
+
+    monkeypatch.setattr(pa, "MERGE_ROWS", merge_rows)
+    src = make_source("nvfp4", [50, 3, 90], 2, 64, holes=True, seed=6)
+    check_close(torch.randn(3, 8, 1, 64).to(torch.bfloat16), [src])
+
+
 def count_launches(monkeypatch, *kernels) -> dict:
     """Launches of each interpreted kernel from now on, by name (filled in as they run)."""
     counts = {}

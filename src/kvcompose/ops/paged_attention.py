@@ -79,6 +79,9 @@ SMALL_TILE = 16  # tokens per tile of those
 SMALL_STAGES = 1  # and their software-pipelining depth
 MASS_BLOCK = 128  # tokens per program of the attention-mass kernel
 MERGE_CHUNK = 16  # partial results the merge combines per step
+MERGE_ROWS = 256  # below this many (row, query head) pairs the merge slices the channels:
+MERGE_SLICE = 32  # this many per program. H200, 1 x 32K (32 pairs of 128 splits): 6-10% off the
+MERGE_WARPS = 1  # whole op; 64 x 4K: 1-2% slower sliced, so large batches merge whole rows.
 WARPS = 2  # of the attention-mass kernel (the merge takes the partial kernel's)
 STAGES = 3  # software-pipelining depth of the partial kernel's loads (Triton's default)
 MAX_REGISTERS = None  # registers per thread of the partial kernel (None: the compiler's choice)
@@ -676,17 +679,20 @@ def _source_partial(
 @jit
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, D: tl.constexpr, SP: tl.constexpr,
                   DP: tl.constexpr, OUT: tl.constexpr, CHUNK: tl.constexpr):
-    """Combine the ``S`` partial results of one (row, query head) by their log2-sum-exp: the
-    weights from all ``S`` log-sum-exps at once, the outputs ``CHUNK`` splits at a time (a
-    ``[S, D]`` tile in registers spilled from 64 splits on)."""
+    """Combine the ``S`` partial results of one (row, query head) by their log2-sum-exp, for
+    the ``DP`` output channels from ``program_id(1) * DP`` on: the weights from all ``S``
+    log-sum-exps at once, the outputs ``CHUNK`` splits at a time (a ``[S, D]`` tile in
+    registers spilled from 64 splits on). Slicing the channels over programs keeps the GPU
+    busy when there are few rows and many splits (batch 1, long rows)."""
     pid = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * DP
     s = tl.arange(0, SP)
     lse = tl.load(lse_ptr + pid * S + s, mask=s < S, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2(lse - m_safe), 0)
     c = tl.arange(0, CHUNK)
-    d = tl.arange(0, DP)
+    d = first + tl.arange(0, DP)
     acc = tl.zeros([DP], tl.float32)
     for s0 in range(0, S, CHUNK):
         inside = s0 + c < S
@@ -695,7 +701,8 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, D: tl.constexpr,
                     other=0.0)
         acc += tl.sum(o * w[:, None], 0)
     store_out_tl(out_ptr + pid * D + d, acc / tl.maximum(total, 1e-30), d < D, OUT)
-    tl.store(final_lse_ptr + pid, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")))
+    tl.store(final_lse_ptr + pid, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")),
+             mask=first == 0)
 
 
 @jit
@@ -862,8 +869,9 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
         _paged_partial_kernel[(B * H, programs)](q, part, lse, logits, total, cols, scaling * LOG2E, tuples, **kwargs)
     out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
     final = torch.empty(B, Hq, dtype=torch.float32, device=device)
-    _merge_kernel[(B * Hq,)](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=next_pow2(D), OUT=kind,
-                             CHUNK=MERGE_CHUNK, num_warps=shape[1])
+    width = next_pow2(D) if B * Hq >= MERGE_ROWS else min(next_pow2(D), MERGE_SLICE)
+    _merge_kernel[(B * Hq, cdiv(D, width))](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=width,
+                                            OUT=kind, CHUNK=MERGE_CHUNK, num_warps=MERGE_WARPS)
     if mass is not None:
         weight = mass[1].float().contiguous()
         col0 = 0
