@@ -40,7 +40,7 @@ def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, blo
     consts = [tuple(c[n] for n in pa.SOURCE_CONSTS) for c in [pool] + ([dense] if buffer else [])]
     sig = {"q_ptr": "*bf16", "out_ptr": "*fp32", "lse_ptr": "*fp32", "score_ptr": "*fp32", "total_splits": "i32",
            "total_cols": "i32", "qk_scale": "fp32", "sources": tuple(sources)}
-    return sig, dict(CONSTS=tuple(consts), NSRC=len(consts), H=8 // group if group > 1 else 8, G=group, GP=16,
+    return sig, dict(CONSTS=tuple(consts), NSRC=len(consts), H=8 // group if group > 1 else 8, G=group, GP=pa.query_rows(group, kfmt == "dense"),
                      D=head_dim, SCORES=scores, PREC="tf32", OUT=1, NATIVE=True)
 
 

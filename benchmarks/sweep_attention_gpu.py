@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="*", default=["1x32768", "16x8192", "64x4096"])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--merges", nargs="*", default=["1,32"], help="merge warps,channels per program when sliced")
+    p.add_argument("--query-rows", nargs="*", type=int, default=[1], help="least rows of the query tile")
     p.add_argument("--launches", nargs="*", default=["one"], choices=["one", "one-capped", "each"],
                    help="one partial launch for all sources, or one per source")
     args = p.parse_args(argv)
@@ -53,8 +54,10 @@ def main(argv=None) -> int:
     queries = {(b, l): torch.randn(b, bench.Q_HEADS, 1, bench.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
                for b, l in shapes}
     data = {(f, b, l): bench.build(f, b, l, "cuda") for f in args.formats for b, l in shapes}
-    for variant, launches, merge in [(v, m, g) for v in args.variants for m in args.launches for g in args.merges]:
+    grid = [(v, m, g, r) for v in args.variants for m in args.launches for g in args.merges for r in args.query_rows]
+    for variant, launches, merge, rows in grid:
         block, warps, stages, regs = (int(v) for v in variant.split(","))
+        pa.MIN_QUERY_ROWS = rows
         pa.MERGE_WARPS, pa.MERGE_SLICE = (int(v) for v in merge.split(","))
         pa.ONE_LAUNCH = launches != "each"
         pa.CAP_UNION_REGISTERS = launches == "one-capped"
@@ -69,7 +72,8 @@ def main(argv=None) -> int:
                 cells.append(f"{f}@{b}x{l}={ms * 1e3:.1f}us[{compiled_facts(q, sources, (block, warps))}]")
             except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is reported
                 cells.append(f"{f}@{b}x{l}=ERR({type(e).__name__}: {str(e)[:60]})")
-        print(f"BLOCK={block:3d} WARPS={warps} STAGES={stages} REGS={regs} launches={launches} merge={merge}: "
+        print(f"BLOCK={block:3d} WARPS={warps} STAGES={stages} REGS={regs} launches={launches} merge={merge} "
+              f"query rows>={rows}: "
               + " ".join(cells),
               flush=True)
     return 0
