@@ -145,15 +145,24 @@ def test_mixed_formats_holes_and_buffer_in_one_call(one_launch, monkeypatch):
     assert launches == {"_paged_partial_kernel": 1 if one_launch else 3, "_merge_kernel": 1}
 
 
-@pytest.mark.parametrize("merge_rows", [1, 1 << 20])
-def test_merge_by_whole_rows_or_channel_slices(merge_rows, monkeypatch):
-    """The merge takes a whole row's channels per program from MERGE_ROWS (row, head) pairs on,
-    slices of them below: the same attention either way."""
+@pytest.mark.parametrize("width", [64, 16])
+def test_merge_by_whole_rows_or_channel_slices(width, monkeypatch):
+    """The merge takes a whole row's channels per program, or slices of them: the same attention."""
     from kvcompose.ops import paged_attention as pa
 
-    monkeypatch.setattr(pa, "MERGE_ROWS", merge_rows)
+    monkeypatch.setattr(pa, "merge_width", lambda pairs, D, device: width)
     src = make_source("nvfp4", [50, 3, 90], 2, 64, holes=True, seed=6)
     check_close(torch.randn(3, 8, 1, 64).to(torch.bfloat16), [src])
+
+
+def test_merge_slices_only_where_few_pairs_would_idle_a_gpu():
+    from kvcompose.ops import paged_attention as pa
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert pa.merge_width(32, 128, cuda) == pa.MERGE_SLICE < 128
+    assert pa.merge_width(pa.MERGE_ROWS, 128, cuda) == 128
+    assert pa.merge_width(32, 128, cpu) == 128  # the interpreter pays per program
+    assert pa.merge_width(32, 16, cuda) == 16
 
 
 def count_launches(monkeypatch, *kernels) -> dict:

@@ -870,7 +870,7 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
         _paged_partial_kernel[(B * H, programs)](q, part, lse, logits, total, cols, scaling * LOG2E, tuples, **kwargs)
     out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
     final = torch.empty(B, Hq, dtype=torch.float32, device=device)
-    width = next_pow2(D) if B * Hq >= MERGE_ROWS else min(next_pow2(D), MERGE_SLICE)
+    width = merge_width(B * Hq, D, device)
     _merge_kernel[(B * Hq, cdiv(D, width))](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=width,
                                             OUT=kind, CHUNK=MERGE_CHUNK, num_warps=MERGE_WARPS)
     if mass is not None:
@@ -895,6 +895,16 @@ def query_rows(group: int, dense: bool) -> int:
     ternary and KIVI-2 3-13% faster (less shared memory and fewer registers, more programs
     per SM), int4 within 3%, and dense bf16 3-4% slower."""
     return 16 if dense else max(MIN_QUERY_ROWS, next_pow2(group))
+
+
+def merge_width(pairs: int, D: int, device: torch.device) -> int:
+    """Output channels per merge program: all of a row's, or ``MERGE_SLICE`` of them where
+    fewer than ``MERGE_ROWS`` (row, head) pairs would leave most of a GPU idle (batch 1, long
+    rows). The CPU interpreter pays for every program and has no SMs to fill: whole rows."""
+    whole = next_pow2(D)
+    if pairs >= MERGE_ROWS or device.type != "cuda":
+        return whole
+    return min(whole, MERGE_SLICE)
 
 
 def small_source(src: PagedSource) -> bool:
