@@ -112,16 +112,16 @@ def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monke
     query = torch.randn(len(lengths), 8, 1, 64).to(torch.bfloat16)
     for shape in (TWO_WARP_SHAPE, attention_launch.TILE_SHAPE):
         monkeypatch.setattr(pa, "TILE_SHAPE", shape)
-        assert source_constants(query, src, shape)["KFOLD"] == (shape[0] <= token_group)
+        assert source_constants(query, src)["KFOLD"] == (shape[0] <= token_group)
         check_close(query, [src])
-    assert not source_constants(query.half(), src, shape)["KFOLD"]  # q * scale could overflow fp16
+    assert not source_constants(query.half(), src)["KFOLD"]  # q * scale could overflow fp16
 
 
-def source_constants(query, src, shape) -> dict:
+def source_constants(query, src) -> dict:
     """The compile-time constants the launcher picks for one source."""
     from kvcompose.ops import paged_attention as pa
 
-    return dict(zip(pa.SOURCE_CONSTS, pa._partial_launch(query, [src], False, shape)[1]["CONSTS"][0]))
+    return dict(zip(pa.SOURCE_CONSTS, pa._partial_launch(query, [src], False)[1]["CONSTS"][0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -130,19 +130,17 @@ def test_kernel_matches_reference_other_dtypes(dtype):
     check_close(torch.randn(2, 4, 1, 64).to(dtype), [src])
 
 
-@pytest.mark.parametrize("one_launch", [True, False])
-def test_mixed_formats_holes_and_buffer_in_one_call(one_launch, monkeypatch):
+def test_mixed_formats_holes_and_buffer_in_one_call(monkeypatch):
     """ThinKV's layout: an NVFP4 pool (R and E), a ternary pool (T) with holes, the bf16 buffer;
-    all three in one partial launch (then one merge), or a launch each: the same attention."""
+    all three in one partial launch (then one merge)."""
     from kvcompose.ops import paged_attention as pa
 
-    monkeypatch.setattr(pa, "ONE_LAUNCH", one_launch)
     launches = count_launches(monkeypatch, pa._paged_partial_kernel, pa._merge_kernel)
     lengths = [50, 3, 90]
     sources = [make_source("nvfp4", lengths, 2, 64, seed=1), make_source("ternary", lengths, 2, 64, holes=True, seed=2),
                make_source("dense", [5, 0, 15], 2, 64, bs=15, seed=3)]
     check_close(torch.randn(3, 8, 1, 64).to(torch.bfloat16), sources)
-    assert launches == {"_paged_partial_kernel": 1 if one_launch else 3, "_merge_kernel": 1}
+    assert launches == {"_paged_partial_kernel": 1, "_merge_kernel": 1}
 
 
 @pytest.mark.parametrize("width", [64, 16])
@@ -349,13 +347,14 @@ def test_splits_fill_whole_waves(rows, tokens, slots, block, expected):
 
 
 @pytest.mark.gpu
-def test_cuda_split_plan_reads_the_compiled_kernel():
+def test_cuda_split_plan_reads_the_compiled_kernel(monkeypatch):
     from kvcompose.ops import paged_attention as pa
 
     src = make_source("nvfp4", [4096] * 2, 8, 128, device="cuda")
     query = torch.zeros(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     for shape in (TWO_WARP_SHAPE, attention_launch.TILE_SHAPE):
-        launch = pa._partial_launch(query, [src], False, shape)
+        monkeypatch.setattr(pa, "TILE_SHAPE", shape)
+        launch = pa._partial_launch(query, [src], False)
         resident = pa._resident(query, launch, src.tokens)
         assert 1 <= resident <= 32 and resident == pa._resident(query, launch, src.tokens)
 

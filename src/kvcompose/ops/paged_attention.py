@@ -72,9 +72,6 @@ FORMATS = {"dense": 0, "fp8": 1, "nvfp4": 2, "ternary": 3, "int": 4, "int_channe
 #: value to the model dtype instead; the kernel's products are the exact ones.
 EXACT_FORMATS = ("fp8", "nvfp4", "ternary")
 _PER_BYTE = {"dense": 1, "fp8": 1, "nvfp4": 2, "ternary": 4}
-ONE_LAUNCH = True  # every source of a layer in one partial launch (False: a launch per source)
-CAP_UNION_REGISTERS = True  # a shared launch takes at most the registers of its longest source alone
-MIN_QUERY_ROWS = 1  # see query_rows
 SMALL_SOURCE_TOKENS = 64  # sources with at most this many columns per row: light tile, ride on another's program
 SMALL_TILE = 16  # tokens per tile of those
 SMALL_STAGES = 1  # and their software-pipelining depth
@@ -832,42 +829,12 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
     H = sources[0].key.codes.shape[1]
     cols = sum(s.tokens for s in sources)
     scores = probs or mass is not None
-    shape = TILE_SHAPE
-    args, consts = _partial_launch(q, sources, scores, shape)
-    groups = [list(range(len(sources)))] if ONE_LAUNCH else [[i] for i in range(len(sources))]
-    launches, split0 = [], 0
-    for group in groups:
-        kwargs = dict(consts, CONSTS=tuple(consts["CONSTS"][i] for i in group), NSRC=len(group))
-        # the long sources own the launch's programs; short ones ride on the last program of the longest
-        riders = [i for i in group if small_source(sources[i])] if len(group) > 1 else []
-        owners = [i for i in group if i not in riders] or riders[:1]
-        riders = [i for i in riders if i not in owners]
-        host = max(owners, key=lambda i: sources[i].tokens)
-        if len(group) > 1 and CAP_UNION_REGISTERS and MAX_REGISTERS is None and q.is_cuda:
-            alone = dict(consts, CONSTS=(consts["CONSTS"][host],), NSRC=1)
-            kwargs["maxnreg"] = _registers(q, ([args[host]], alone), cols)
-        per_sm = _resident(q, ([args[i] for i in group], kwargs), cols)
-        fields, programs = {}, 0
-        for i in owners + riders:
-            block = consts["CONSTS"][i][SOURCE_CONSTS.index("BLOCK")]
-            n = plan_splits(B * H, sources[i].tokens, device, per_sm, block) if i in owners else 1
-            per = cdiv(cdiv(sources[i].tokens, n), block) * block  # whole tiles; rounding up can empty the last
-            n = cdiv(sources[i].tokens, per)  # splits: drop those
-            if i in owners:
-                fields[i] = (per, programs, n, split0)
-                programs += n
-            else:
-                fields[i] = (per, fields[host][1] + fields[host][2] - 1, 1, split0)
-            split0 += n
-        for i in group:
-            fields[i] += (sum(sources[j].tokens for j in range(i)),)  # its first column
-        launches.append((programs, tuple(args[i] + fields[i] for i in group), kwargs))
-    total = max(1, split0)
+    args, consts = _partial_launch(q, sources, scores)
+    programs, tuples, kwargs, total = _plan_launch(q, sources, args, consts, cols)
     part = torch.empty(B, Hq, total, D, dtype=torch.float32, device=device)
     lse = torch.empty(B, Hq, total, dtype=torch.float32, device=device)  # every split writes its own
     logits = torch.empty(B, Hq, cols if scores else 1, device=device)  # the splits cover every column
-    for programs, tuples, kwargs in launches:
-        _paged_partial_kernel[(B * H, programs)](q, part, lse, logits, total, cols, scaling * LOG2E, tuples, **kwargs)
+    _paged_partial_kernel[(B * H, programs)](q, part, lse, logits, total, cols, scaling * LOG2E, tuples, **kwargs)
     out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
     final = torch.empty(B, Hq, dtype=torch.float32, device=device)
     width = merge_width(B * Hq, D, device)
@@ -887,14 +854,53 @@ def _paged_decode_triton(query, sources, scaling, probs, mass=None):
     return out, torch.exp2(logits - final[..., None]).nan_to_num(0.0)  # -inf - -inf (empty row) -> 0
 
 
+def _plan_launch(q: torch.Tensor, sources: list[PagedSource], args: list[tuple], consts: dict,
+                 cols: int) -> tuple[int, tuple, dict, int]:
+    """Which programs of the one partial launch run which source's splits.
+
+    The long sources own programs, each split over as many as :func:`plan_splits` finds
+    best for the launch's resident programs per SM; short ones (the recent buffer) ride on
+    the last program of the longest, as one split, adding no program and no wave. A shared
+    launch is held to the registers its longest source needs alone (measured on an H200,
+    the buffer's branch otherwise raised them by 10-35 per thread, costing the pool one or
+    two resident programs per SM). Returns the programs per (row, KV head), each source's
+    runtime tuple (``SOURCE_FIELDS``), the launch's keyword arguments and the number of
+    partial results."""
+    B, H = q.shape[0], sources[0].key.codes.shape[1]
+    riders = [i for i, s in enumerate(sources) if small_source(s)] if len(sources) > 1 else []
+    owners = [i for i in range(len(sources)) if i not in riders] or riders[:1]
+    riders = [i for i in riders if i not in owners]
+    host = max(owners, key=lambda i: sources[i].tokens)
+    kwargs = dict(consts)
+    if len(sources) > 1 and MAX_REGISTERS is None and q.is_cuda:
+        kwargs["maxnreg"] = _registers(q, ([args[host]], dict(consts, CONSTS=(consts["CONSTS"][host],), NSRC=1)), cols)
+    per_sm = _resident(q, (args, kwargs), cols)
+    block_at = SOURCE_CONSTS.index("BLOCK")
+    fields, programs, partials = {}, 0, 0
+    for i in owners + riders:
+        block = consts["CONSTS"][i][block_at]
+        n = plan_splits(B * H, sources[i].tokens, q.device, per_sm, block) if i in owners else 1
+        per = cdiv(cdiv(sources[i].tokens, n), block) * block  # whole tiles; rounding up can empty the last
+        n = cdiv(sources[i].tokens, per)  # splits: drop those
+        if i in owners:
+            fields[i] = (per, programs, n, partials)
+            programs += n
+        else:
+            fields[i] = (per, fields[host][1] + fields[host][2] - 1, 1, partials)
+        partials += n
+    first_cols = [sum(s.tokens for s in sources[:i]) for i in range(len(sources))]
+    tuples = tuple(args[i] + fields[i] + (first_cols[i],) for i in range(len(sources)))
+    return programs, tuples, kwargs, max(1, partials)
+
+
 def query_rows(group: int, dense: bool) -> int:
     """Rows of the partial kernel's query tile for a GQA group: the group rounded up to a power
-    of two (at least ``MIN_QUERY_ROWS``), which Triton pads to the tensor cores' 16 rows
-    itself; 16 rows of our own where the launch's longest source is ``dense``. Measured on
+    of two, which Triton pads to the tensor cores' 16 rows itself; 16 rows of our own where
+    the launch's longest source is ``dense``. Measured on
     an H200 (G = 4, one launch with the buffer): the group's 4 rows made fp8, nvfp4,
     ternary and KIVI-2 3-13% faster (less shared memory and fewer registers, more programs
     per SM), int4 within 3%, and dense bf16 3-4% slower."""
-    return 16 if dense else max(MIN_QUERY_ROWS, next_pow2(group))
+    return 16 if dense else next_pow2(group)
 
 
 def merge_width(pairs: int, D: int, device: torch.device) -> int:
@@ -914,11 +920,11 @@ def small_source(src: PagedSource) -> bool:
     return src.tokens <= SMALL_SOURCE_TOKENS
 
 
-def _partial_launch(q: torch.Tensor, sources: list[PagedSource], scores: bool,
-                    shape: tuple[int, int]) -> tuple[list[tuple], dict]:
+def _partial_launch(q: torch.Tensor, sources: list[PagedSource], scores: bool) -> tuple[list[tuple], dict]:
     """Per source, its runtime arguments of :func:`_paged_partial_kernel` before the split
     geometry (``SOURCE_FIELDS``); and the launch's keyword arguments, with ``CONSTS`` the
-    sources' compile-time constants (``SOURCE_CONSTS``), at launch ``shape`` (``TILE_SHAPE``: tokens per tile, warps)."""
+    sources' compile-time constants (``SOURCE_CONSTS``), at the launch shape ``TILE_SHAPE``
+    (tokens per tile, warps)."""
     D, device = q.shape[-1], q.device
     H = sources[0].key.codes.shape[1]
     args, consts = [], []
@@ -928,7 +934,7 @@ def _partial_launch(q: torch.Tensor, sources: list[PagedSource], scores: bool,
         vb, vg, _ = _operand_constants(src.value, D)
         args.append((table, src.valid.view(torch.uint8), *_operand_args(src.key, device),
                      *_operand_args(src.value, device), table.shape[1]))
-        block, stages = (SMALL_TILE, SMALL_STAGES) if small_source(src) else (shape[0], STAGES)
+        block, stages = (SMALL_TILE, SMALL_STAGES) if small_source(src) else (TILE_SHAPE[0], STAGES)
         c = dict(KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
                  KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte, KEX=_exact(src.key, q.dtype),
                  VEX=_exact(src.value, q.dtype), KFOLD=_folds(src, block, q.dtype), BS=src.block_size,
@@ -940,7 +946,7 @@ def _partial_launch(q: torch.Tensor, sources: list[PagedSource], scores: bool,
         CONSTS=tuple(consts), NSRC=len(sources), H=H, G=G, GP=query_rows(G, longest.key.fmt == "dense"), D=D,
         SCORES=scores,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", OUT=OUT_KINDS[q.dtype],
-        NATIVE=not interpreted(_paged_partial_kernel), num_warps=shape[1], num_stages=STAGES,
+        NATIVE=not interpreted(_paged_partial_kernel), num_warps=TILE_SHAPE[1], num_stages=STAGES,
         **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
     )
     return args, kwargs
