@@ -100,8 +100,8 @@ def kvcompose_run(model, policy, batch: int, prompt: int, new: int) -> dict:
     return time_policy(model, policy, *prompts(model, batch, prompt), new)
 
 
-TABLE = ["policy", "scenario", "batch", "new_tokens", "ms_per_step", "tok_per_s", "ratio_to_baseline", "peak_gib",
-         "eviction_call_rate", "eviction_share", "host_share", "error"]
+TABLE = ["policy", "scenario", "batch", "new_tokens", "ms_per_step", "steady_ms_per_step", "one_time_s", "tok_per_s",
+         "ratio_to_baseline", "peak_gib", "eviction_call_rate", "eviction_share", "host_share", "error"]
 
 
 def _cell(value):

@@ -431,3 +431,15 @@ def test_static_capacity_covers_what_tbe_cannot_evict(llama):
     static.check_errors()
     assert torch.equal(expected, got)
     assert int(eager.layers[0].store.live_tokens().max()) > 40  # the eager path keeps more than the budget too
+
+
+def test_a_graph_variants_eager_first_run_is_filed_as_one_time_work():
+    """The first run of an eviction or refresh graph is eager warm-up, not an eviction step's cost."""
+    from kvcompose.hf.static import StepPlan, step_kind
+
+    evict, refresh, plain = StepPlan(False, False, evict=True), StepPlan(False, False, refresh=True), StepPlan(True, False)
+    assert [step_kind(p, False, False, True) for p in (evict, refresh, plain)] == ["warm-up"] * 3
+    assert [step_kind(p, True, True, True) for p in (evict, refresh, plain)] == ["capture"] * 3
+    assert [step_kind(p, True, False, True) for p in (evict, refresh, plain)] == ["evict", "refresh", "replay"]
+    assert step_kind(StepPlan(False, True), False, False, True) == "eager"
+    assert [step_kind(p, False, False, False) for p in (evict, refresh, plain)] == ["evict", "refresh", "warm-up"]

@@ -168,7 +168,8 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
-BENCH_FIELDS = ["ms_per_step", "tok_per_s", "ratio_to_baseline", "peak_gib", "eviction_call_rate", "eviction_share"]
+BENCH_FIELDS = ["ms_per_step", "steady_ms_per_step", "one_time_s", "tok_per_s", "ratio_to_baseline", "peak_gib",
+                "eviction_call_rate", "eviction_share"]
 
 
 def _bench_cell(value) -> str:

@@ -140,7 +140,9 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
         steps = summary["steps_by_kind"]
         step_ms = ms.get("replay", 0.0) / max(summary["replays"], 1)
         # the one-time work (each graph's eager warm-up and its capture) is left out
-        decode_ms = max(sum(ms.values()) - ms.get("capture", 0.0) - ms.get("warm-up", 0.0), 1e-9)
+        one_time = ("warm-up", "capture")
+        decode_ms = max(sum(ms.values()) - sum(ms.get(k, 0.0) for k in one_time), 1e-9)
+        decode_steps = sum(steps.values()) - sum(steps.get(k, 0) for k in one_time)
         kinds = ("eager", "evict", "refresh")
         special_ms = sum(ms.get(k, 0.0) for k in kinds)
         out.update(
@@ -150,6 +152,10 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
             eager_share=ms.get("eager", 0.0) / decode_ms,
             evict_ms_per_step=ms.get("evict", 0.0) / max(steps.get("evict", 0), 1),
             replay_gpu_ms=step_ms, host_ms_per_replay=summary["host_ms_per_replay"],
+            # ms_per_step counts every step of this fresh cache's run, its graphs' warm-ups and
+            # captures included; the steady rate is the one once every graph is captured
+            one_time_s=sum(ms.get(k, 0.0) for k in one_time) / 1e3,
+            steady_ms_per_step=decode_ms / max(decode_steps, 1),
             host_share=summary["host_ms_per_replay"] / max(step_ms, 1e-9),
         )
     return out

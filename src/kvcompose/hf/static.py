@@ -111,6 +111,24 @@ class Schedule:
         return StepPlan(flush=bool(full.any()), eager=eager, evict=fires and not eager, refresh=refresh and not eager)
 
 
+def step_kind(plan: StepPlan, replay: bool, first: bool, graphs: bool) -> str:
+    """How :meth:`StaticDecoder.summary` files a step's time: ``eager`` (runs eagerly by plan),
+    ``warm-up`` (the eager run of a graph variant before its capture: one-time work, whatever
+    the variant does), ``capture``, then the replays by what they do (``evict``, ``refresh``,
+    ``replay``). Without graphs the steps are filed by what they do, plain ones as ``warm-up``."""
+    if plan.eager:
+        return "eager"
+    if graphs and not replay:
+        return "warm-up"
+    if first:
+        return "capture"
+    if plan.evict:
+        return "evict"
+    if plan.refresh:
+        return "refresh"
+    return "replay" if replay else "warm-up"
+
+
 class StaticDecoder:
     """Runs decode steps of a prefilled cache in static mode; with ``graphs``, the steps that
     are not eager replay captured CUDA graphs (each variant runs once eagerly first, which
@@ -188,10 +206,7 @@ class StaticDecoder:
         self.positions += 1
         self.cache_position += 1
         if self.profile:
-            ended = _recorded_event()
-            kind = ("eager" if plan.eager else "capture" if first else "evict" if plan.evict
-                    else "refresh" if plan.refresh else "replay" if replay else "warm-up")
-            self._events.append((kind, began, ended))
+            self._events.append((step_kind(plan, replay, first, self.graphs), began, _recorded_event()))
         return logits
 
     def note_host(self, seconds: float) -> None:
