@@ -71,10 +71,12 @@ def e2e(lines: list[str], figures: dict) -> None:
               "the eager steps (classifier refreshes, evictions that are not graph-safe) and of the scheduled eviction "
               "steps (replayed graphs since run b5; ThinKV's segment-end and refresh steps since a6/b6) beyond a "
               "plain replayed step's cost; *host share*: the host's own time per plain replayed step over that "
-              "step's GPU time. *ms/step* is the decode wall time of a fresh cache over its steps, the one-time work "
-              "of its CUDA graphs included (each graph variant's eager warm-up and its capture: *one-time s*); "
-              "*steady ms/step*, the GPU time per step without them, is what a run sees once its graphs exist "
-              "(recorded from run a8 on; the baseline's compile is left out of its time). " + data.get("notes", ""), ""]
+              "step's GPU time. *ms/step* is the decode wall time of a fresh cache over its steps (profiled: the host "
+              "waits for each step), the one-time work of its CUDA graphs included; *one-time s* is the GPU time of "
+              "each graph variant's eager first run and first replay (the capture's own host work shows in the wall "
+              "time only); *steady ms/step* is the GPU time per step without them, what a run approaches once its "
+              "graphs exist (add the host share for a wall figure). Both from run a8 on; the baseline's compile and "
+              "graph recording are left out of its time. " + data.get("notes", ""), ""]
     rows = []
     order = sorted(data["records"], key=lambda r: (r["scenario"], r.get("run", ""), r["policy"] != "transformers-static"))
     runs = data["environment"].get("runs", {})

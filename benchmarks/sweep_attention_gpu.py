@@ -1,10 +1,9 @@
 """Launch-shape sweep of the paged attention kernel (tokens per tile, warps, stages, registers).
 
-Sets the module constants of :mod:`kvcompose.ops.paged_attention` and
-:mod:`kvcompose.ops.attention_launch`, times formats and shapes of
-:mod:`bench_attention_gpu`, and prints one line per variant with each cell's time and the
-compiled pool kernel's registers per thread, shared memory and programs per SM (the split
-plan follows the last). Used to pick the defaults; results go to stdout only.
+Sets the module constants of :mod:`kvcompose.ops.paged_attention` (tile shape, stages,
+register cap, merge), times formats and shapes of :mod:`bench_attention_gpu`, and prints
+one line per variant with each cell's time and the compiled launch's registers per thread,
+shared memory and programs per SM (the split plan follows the last). Used to pick the defaults; results go to stdout only.
 
     python benchmarks/sweep_attention_gpu.py --variants 32,1,3,0 32,1,2,96 --formats nvfp4 ternary
 """

@@ -443,3 +443,19 @@ def test_a_graph_variants_eager_first_run_is_filed_as_one_time_work():
     assert [step_kind(p, True, False, True) for p in (evict, refresh, plain)] == ["evict", "refresh", "replay"]
     assert step_kind(StepPlan(False, True), False, False, True) == "eager"
     assert [step_kind(p, False, False, False) for p in (evict, refresh, plain)] == ["evict", "refresh", "warm-up"]
+
+
+def test_decode_time_split_leaves_one_time_work_out_of_the_steady_rate():
+    from kvcompose.speed import decode_time_split
+
+    summary = {"ms_by_kind": {"warm-up": 300.0, "capture": 30.0, "replay": 900.0, "evict": 60.0},
+               "steps_by_kind": {"warm-up": 2, "capture": 2, "replay": 90, "evict": 2},
+               "replays": 90, "host_ms_per_replay": 0.5}
+    split = decode_time_split(summary)
+    assert split["one_time_s"] == pytest.approx(0.33)
+    assert split["steady_ms_per_step"] == pytest.approx(960.0 / 92)
+    assert split["replay_gpu_ms"] == pytest.approx(10.0)
+    assert split["eviction_share"] == pytest.approx((60.0 - 2 * 10.0) / 960.0)
+    assert split["evict_ms_per_step"] == pytest.approx(30.0) and split["host_share"] == pytest.approx(0.05)
+    only_one_time = dict(summary, ms_by_kind={"warm-up": 5.0}, steps_by_kind={"warm-up": 1}, replays=0)
+    assert decode_time_split(only_one_time)["steady_ms_per_step"] is None

@@ -135,30 +135,35 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     out.update(eager_steps=summary["eager_steps"], eviction_steps=summary.get("eviction_steps", 0),
                refresh_steps=summary.get("refresh_steps", 0), replays=summary["replays"],
                eviction_call_rate=evicting / max(new - 1, 1))
-    ms = summary.get("ms_by_kind")
-    if ms:
-        steps = summary["steps_by_kind"]
-        step_ms = ms.get("replay", 0.0) / max(summary["replays"], 1)
-        # the one-time work (each graph's eager warm-up and its capture) is left out
-        one_time = ("warm-up", "capture")
-        decode_ms = max(sum(ms.values()) - sum(ms.get(k, 0.0) for k in one_time), 1e-9)
-        decode_steps = sum(steps.values()) - sum(steps.get(k, 0) for k in one_time)
-        kinds = ("eager", "evict", "refresh")
-        special_ms = sum(ms.get(k, 0.0) for k in kinds)
-        out.update(
-            # decode time of the eager, eviction and refresh steps beyond what a plain replayed
-            # step costs: evictions + refreshes
-            eviction_share=max(0.0, special_ms - sum(steps.get(k, 0) for k in kinds) * step_ms) / decode_ms,
-            eager_share=ms.get("eager", 0.0) / decode_ms,
-            evict_ms_per_step=ms.get("evict", 0.0) / max(steps.get("evict", 0), 1),
-            replay_gpu_ms=step_ms, host_ms_per_replay=summary["host_ms_per_replay"],
-            # ms_per_step counts every step of this fresh cache's run, its graphs' warm-ups and
-            # captures included; the steady rate is the one once every graph is captured
-            one_time_s=sum(ms.get(k, 0.0) for k in one_time) / 1e3,
-            steady_ms_per_step=decode_ms / max(decode_steps, 1),
-            host_share=summary["host_ms_per_replay"] / max(step_ms, 1e-9),
-        )
+    if summary.get("ms_by_kind"):
+        out.update(decode_time_split(summary))
     return out
+
+
+def decode_time_split(summary: dict) -> dict:
+    """What a profiled static decode's step times (``StaticDecoder.summary`` with
+    ``ms_by_kind``, CUDA-event milliseconds per step kind) say about the run.
+
+    ``one_time_s``: each graph variant's eager first run and its first replay, which a fresh
+    cache pays once (the capture's own host work falls between the events: it shows in the
+    wall time only). ``steady_ms_per_step``: GPU time per step without those (None if no
+    other step ran). ``eviction_share``: the eager, eviction and refresh steps' time beyond a
+    plain replayed step's, over the steady steps' time; ``replay_gpu_ms``: a plain replay."""
+    ms, steps = summary["ms_by_kind"], summary["steps_by_kind"]
+    one_time, special = ("warm-up", "capture"), ("eager", "evict", "refresh")
+    step_ms = ms.get("replay", 0.0) / max(summary["replays"], 1)
+    decode_ms = max(sum(ms.values()) - sum(ms.get(k, 0.0) for k in one_time), 1e-9)
+    decode_steps = sum(steps.values()) - sum(steps.get(k, 0) for k in one_time)
+    beyond = sum(ms.get(k, 0.0) for k in special) - sum(steps.get(k, 0) for k in special) * step_ms
+    return dict(
+        eviction_share=max(0.0, beyond) / decode_ms,
+        eager_share=ms.get("eager", 0.0) / decode_ms,
+        evict_ms_per_step=ms.get("evict", 0.0) / max(steps.get("evict", 0), 1),
+        replay_gpu_ms=step_ms, host_ms_per_replay=summary["host_ms_per_replay"],
+        one_time_s=sum(ms.get(k, 0.0) for k in one_time) / 1e3,
+        steady_ms_per_step=decode_ms / decode_steps if decode_steps else None,
+        host_share=summary["host_ms_per_replay"] / max(step_ms, 1e-9),
+    )
 
 
 # ------------------------------------------------------------------ fixed memory

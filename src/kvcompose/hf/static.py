@@ -188,7 +188,7 @@ class StaticDecoder:
             logits = self._forward()
         else:
             first = key not in self.captured
-            if first:  # capturing, then replaying: one-time work, timed apart from the replays
+            if first:  # capturing (host work between the profile's events), then the first replay: one-time work
                 self.captured[key] = self._capture()
             graph, logits = self.captured[key]
             if self.profile:
