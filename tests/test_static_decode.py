@@ -442,7 +442,7 @@ def test_a_graph_variants_eager_first_run_is_filed_as_one_time_work():
     assert [step_kind(p, True, True, True) for p in (evict, refresh, plain)] == ["capture"] * 3
     assert [step_kind(p, True, False, True) for p in (evict, refresh, plain)] == ["evict", "refresh", "replay"]
     assert step_kind(StepPlan(False, True), False, False, True) == "eager"
-    assert [step_kind(p, False, False, False) for p in (evict, refresh, plain)] == ["evict", "refresh", "warm-up"]
+    assert [step_kind(p, False, False, False) for p in (evict, refresh, plain)] == ["evict", "refresh", "plain"]
 
 
 def test_decode_time_split_leaves_one_time_work_out_of_the_steady_rate():

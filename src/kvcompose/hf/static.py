@@ -115,7 +115,8 @@ def step_kind(plan: StepPlan, replay: bool, first: bool, graphs: bool) -> str:
     """How :meth:`StaticDecoder.summary` files a step's time: ``eager`` (runs eagerly by plan),
     ``warm-up`` (the eager run of a graph variant before its capture: one-time work, whatever
     the variant does), ``capture``, then the replays by what they do (``evict``, ``refresh``,
-    ``replay``). Without graphs the steps are filed by what they do, plain ones as ``warm-up``."""
+    ``replay``). Without graphs nothing is one-time work: the steps are filed by what they do
+    (``evict``, ``refresh``, ``plain``)."""
     if plan.eager:
         return "eager"
     if graphs and not replay:
@@ -126,7 +127,7 @@ def step_kind(plan: StepPlan, replay: bool, first: bool, graphs: bool) -> str:
         return "evict"
     if plan.refresh:
         return "refresh"
-    return "replay" if replay else "warm-up"
+    return "replay" if replay else "plain"
 
 
 class StaticDecoder:
@@ -215,11 +216,8 @@ class StaticDecoder:
             self._host_s += seconds - self.replay_call_s
 
     def summary(self) -> dict:
-        """Steps by kind and, when profiling, milliseconds of decode time and steps by kind
-        (eager: the steps where the policy refreshes or evicts outside a graph; evict and
-        refresh: the scheduled eviction steps and the refresh steps without one, replayed;
-        capture: the first replay of each graph, which captures it first; warm-up: the eager
-        run of each graph before its capture) and host milliseconds per replayed plain step."""
+        """Steps by kind and, when profiling, milliseconds of decode time and steps by the
+        kinds of :func:`step_kind`, and host milliseconds per replayed plain step."""
         out = {"eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps,
                "refresh_steps": self.refresh_steps, "replays": self.replays}
         if self.profile and self._events:
