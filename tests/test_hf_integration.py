@@ -239,7 +239,7 @@ def test_accumulating_attention_in_query_chunks_equals_one_pass(llama, monkeypat
     from types import SimpleNamespace
 
     from kvcompose.evictors.attention import H2OEvictor
-    from kvcompose.hf import cache as hf_cache
+    from kvcompose.runtime import attention as hf_cache
 
     g = torch.Generator().manual_seed(0)
     B, Hq, H, T, L, D = 2, 4, 2, 9, 12, 8

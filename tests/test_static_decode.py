@@ -1,4 +1,4 @@
-"""Static-shape decoding (kvcompose.hf.static): the same tokens, evictions and memory as the eager path."""
+"""Static-shape decoding (kvcompose.hf.static, kvcompose.runtime.schedule): the same tokens, evictions and memory as the eager path."""
 
 import pytest
 import torch
@@ -6,7 +6,8 @@ import torch
 from conftest import char_tokenizer, greedy, left_padded
 from sync_guard import HostSyncError, forced_step_kernels, no_host_sync
 from kvcompose import Policy
-from kvcompose.hf.static import Schedule, fast_generate, static_capacity
+from kvcompose.hf.static import fast_generate
+from kvcompose.runtime.schedule import Schedule, static_capacity
 
 # Small budgets and periods so that every trigger fires within a short run.
 POLICIES = {
@@ -435,7 +436,8 @@ def test_static_capacity_covers_what_tbe_cannot_evict(llama):
 
 def test_a_graph_variants_eager_first_run_is_filed_as_one_time_work():
     """The first run of an eviction or refresh graph is eager warm-up, not an eviction step's cost."""
-    from kvcompose.hf.static import StepPlan, step_kind
+    from kvcompose.hf.static import step_kind
+    from kvcompose.runtime.schedule import StepPlan
 
     evict, refresh, plain = StepPlan(False, False, evict=True), StepPlan(False, False, refresh=True), StepPlan(True, False)
     assert [step_kind(p, False, False, True) for p in (evict, refresh, plain)] == ["warm-up"] * 3

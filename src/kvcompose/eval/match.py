@@ -6,7 +6,8 @@ import math
 import warnings
 from typing import Iterable
 
-from .overrides import check_overrides, merge, policy_label, preset_policy
+from ..policies.overrides import apply_overrides
+from .overrides import check_overrides, policy_label, preset_policy
 from .replays import replay
 from .trajectory import Trajectory
 
@@ -49,7 +50,7 @@ def match_memory(model, trajectory: Trajectory, presets: Iterable[str], target_p
             knob, lo, hi = "trigger.period", max(base.trigger.ratio, 1), max(steps, base.trigger.ratio)
 
             def make(k, name=name):
-                return preset_policy(name, merge(overrides or {}, {name: {"trigger": {"period": k}}}))
+                return preset_policy(name, apply_overrides(overrides or {}, {name: {"trigger": {"period": k}}}))
         else:
             warnings.warn(f"{name}: no budget or period to calibrate; it runs as configured")
             chosen.setdefault(policy_label(base), base)

@@ -7,7 +7,6 @@ name or override before any model is loaded.
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Iterable
 
@@ -49,24 +48,13 @@ def parse_overrides(items: Iterable[str] | None) -> dict[str, dict]:
     return out
 
 
-def merge(base: dict, extra: dict) -> dict:
-    """``base`` with ``extra`` laid over it, nested dicts merged key by key (neither input is modified)."""
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def preset_policy(name: str, overrides: dict | None = None, **fields):
-    """A preset with ``--set`` overrides (nested, merged) and then ``fields`` applied."""
+    """A preset with its ``--set`` overrides and then ``fields`` applied, the way
+    :meth:`Policy.from_preset` applies any override."""
     from ..policies import Policy
-    from ..policies.presets import preset_config
+    from ..policies.overrides import apply_overrides
 
-    config = merge(preset_config(name), (overrides or {}).get(name, {}))
-    return Policy.from_config(merge(config, fields))
+    return Policy.from_preset(name, **apply_overrides((overrides or {}).get(name, {}), fields))
 
 
 def check_overrides(presets: list[str], overrides: dict | None) -> None:

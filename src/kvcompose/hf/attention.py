@@ -21,10 +21,6 @@ class UnsupportedModelError(ValueError):
     """The model's attention layout cannot run on a kvcompose cache."""
 
 
-class CacheReuseError(ValueError):
-    """A forward pass that does not continue the cache's sequence (a cache serves one generation)."""
-
-
 def kvcompose_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over the kvcompose store; signature of transformers' attention interface."""
     layer = getattr(key, LAYER_ATTR, None)
@@ -50,6 +46,7 @@ def kvcompose_attention(module, query, key, value, attention_mask, scaling=None,
         columns = attention_mask.shape[-1]
     elif layer.layer_idx == 0:  # no mask (transformers drops an all-ones one): the positions tell
         layer.check_positions(kwargs.get("position_ids"))
+    layer._pending = False  # the update this attention completes
     return layer.attend(query, key, value, real, scaling, columns), None
 
 

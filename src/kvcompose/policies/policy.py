@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from .. import registry
-from ..evictors import EvictionContext, Evictor
-from ..evictors.base import keep_top
-from ..paging import DenseCodec, GatherPager, LayerStore, Pager, StoreView
+from ..evictors import Evictor
+from ..paging import DenseCodec, GatherPager, LayerStore, Pager
 from ..triggers import Trigger, TriggerInput
+from .integration import integration
+from .overrides import apply_overrides
 
 COMPONENT_FIELDS = {"evictor": "evictor", "trigger": "trigger", "pager": "pager", "classifier": "classifier",
                     "filter": "filter"}
@@ -154,18 +155,10 @@ class Policy:
     # ---------------------------------------------------------- construction
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "Policy":
-        """A registered preset, with any field overridden (component fields merge dicts)."""
+        """A registered preset with fields overridden (see :func:`~kvcompose.policies.overrides.apply_overrides`)."""
         from .presets import preset_config
 
-        config = preset_config(name)
-        for key, value in overrides.items():
-            if isinstance(value, dict) and isinstance(config.get(key), dict) and "name" not in value:
-                base = config[key]
-                if "calibration" in value:  # a new calibration replaces the preset's calibrated values
-                    base = {"name": base["name"]}
-                config[key] = {**base, **value}
-            else:
-                config[key] = value
+        config = apply_overrides(preset_config(name), overrides)
         return cls.from_config(config)
 
     @classmethod
@@ -234,45 +227,13 @@ class Policy:
         ``fused_attention=False`` keeps every step on the dense view + SDPA (the eager reference).
         ``memory_basis``: the dtype of the full cache its report states memory against (see
         :mod:`kvcompose.report`; None: the model's own dtype). ``tokenizer``: needed by policies
-        whose components read the generated text (:attr:`needs_text`). The integration lives in
-        :mod:`kvcompose.hf` and depends on the policy, not the reverse: this is a delegation."""
-        from ..hf.cache import KVComposeCache
-
-        return KVComposeCache.for_model(self, model, fused_attention=fused_attention, memory_basis=memory_basis,
-                                        tokenizer=tokenizer)
+        whose components read the generated text (:attr:`needs_text`)."""
+        return integration().make_cache(self, model, fused_attention=fused_attention, memory_basis=memory_basis,
+                                         tokenizer=tokenizer)
 
     def generate(self, model, tokenizer, prompts, max_new_tokens: int = 256, **generate_kwargs):
         """Generate for a list of prompts under this policy; see :func:`kvcompose.hf.generate`."""
-        from ..hf.generate import generate
-
-        return generate(self, model, tokenizer, prompts, max_new_tokens=max_new_tokens, **generate_kwargs)
-
-    # ------------------------------------------------------------ compression
-    def compress(self, layer, view: StoreView | None = None, scheduled: bool = False) -> bool:
-        """Run trigger → evictor → pager on one layer after attention. Returns True if it evicted.
-
-        Without a ``view`` the trigger decides on counts read from slot metadata, and the
-        dense view (which evictors score) is built only when it fires. ``scheduled`` (static
-        decode, :attr:`captures_eviction` policies): the schedule knows the trigger fires in
-        some row, so the device is not asked (rows that do not fire keep every token), the
-        eviction is counted on the device, and the step is replayed as a CUDA graph."""
-        if self.evictor is None:
-            return False
-        store = layer.store
-        counts = self.trigger_input(store, view)
-        keep = self.trigger.plan(counts)
-        fired = self.trigger.fires(counts, keep)
-        if scheduled:
-            keep = torch.where(fired, keep, counts.stored)
-        elif not bool(fired.any()):
-            return False
-        view = view if view is not None else store.view()
-        ctx = self.eviction_context(store, view, keep, *layer.recent_queries(), layer.scaling)
-        self.pager.compact(store, view, self.evictor.select(ctx))
-        if scheduled:
-            layer.cache.counters.note_eviction_on_device(fired.any())
-            layer.cache._note_memory(layer.layer_idx)
-        return True
+        return integration().generate(self, model, tokenizer, prompts, max_new_tokens=max_new_tokens, **generate_kwargs)
 
     @property
     def captures_eviction(self) -> bool:
@@ -293,91 +254,9 @@ class Policy:
         run on the device with fixed shapes, every step."""
         return self.evictor is not None and not self.evictor.reads_keys and self.query_window == 0
 
-    def compress_in_place(self, layer) -> None:
-        """Static decode, :attr:`evicts_in_place` policies: trigger, scores and selection on
-        fixed-shape slot state, the evicted slots dropped in place (no host synchronization).
-        Keeps the same tokens as :meth:`compress`; only where they lie differs (no compaction)."""
-        store = layer.store
-        if self._drops_one_per_step(store):
-            source = self.evictor.score_source
-            evicted = store.evict_one(budget=self.budget, sinks=self.sinks, recent=self.recent_tokens,
-                                      protect_prompt=self.protect_prompt,
-                                      score_channel=None if source == "position" else source).any()
-        else:
-            evicted = self._evict_in_place_by_rank(store)
-        layer.cache.counters.note_eviction_on_device(evicted)
-        store.evictions_on_device += evicted
-
-    def _drops_one_per_step(self, store: LayerStore) -> bool:
-        """Whether :meth:`compress_in_place` can use :meth:`LayerStore.evict_one`: a trigger that
-        trims to the budget every step (a step adds one token, so a row drops at most one),
-        scores from positions or one slot channel, and a store of one region."""
-        channels = tuple(getattr(self.evictor, "slot_channels", ()))
-        return (self.trigger.trims_every_step and self.budget is not None and self.evictor.score_source is not None
-                and len(store.regions) == 1 and len(channels) <= 1
-                and self.evictor.score_source in ("position", *channels))
-
-    def _evict_in_place_by_rank(self, store: LayerStore) -> torch.Tensor:
-        """The general in-place eviction: ranks every slot (keep_top); returns whether any row evicted."""
-        positions, valid, state = store.slot_state(tuple(getattr(self.evictor, "slot_channels", ())))
-        is_prompt = valid & (positions < store.prompt_columns)
-        counts = self._counts(store, valid, is_prompt)
-        plan = self.trigger.plan(counts)
-        fired = self.trigger.fires(counts, plan)
-        keep_count = torch.where(fired, plan, counts.stored)
-        view = StoreView(None, None, positions, valid, None, None, 0)
-        ctx = EvictionContext(keys=None, positions=positions, valid=valid, keep=keep_count,
-                              protected=self.protected(view, is_prompt), state=state,
-                              prompt_columns=store.prompt_columns or 0, segment=self.refresh)
-        evicted = valid & ~keep_top(self.evictor.scores(ctx), ctx, check=False)
-        store.evict_in_place(evicted)
-        return evicted.any()
-
-    def trigger_input(self, store: LayerStore, view: StoreView | None = None) -> TriggerInput:
-        """The per-row counts a trigger decides on (from ``view``, or from the store's slot metadata)."""
-        positions, valid, _ = store.slot_state() if view is None else (view.positions, view.valid, None)
-        return self._counts(store, valid, valid & (positions < (store.prompt_columns or 0)))
-
-    def _counts(self, store: LayerStore, valid: torch.Tensor, is_prompt: torch.Tensor) -> TriggerInput:
-        return TriggerInput(stored=valid.sum(1), prompt=is_prompt.sum(1),
-                            generated=store.tokens_seen - store.prompt_tokens, budget=self.budget,
+    def trigger_input(self, stored: torch.Tensor, prompt: torch.Tensor, generated: torch.Tensor) -> TriggerInput:
+        """What this policy's trigger decides on, from per-row counts (any shape, int64): the live
+        tokens held, the live prompt tokens, and the tokens generated so far. The eager and the
+        static-shape path both ask the trigger through this, so they read the same budget."""
+        return TriggerInput(stored=stored, prompt=prompt, generated=generated, budget=self.budget,
                             segment=self.refresh)
-
-    def plan(self, store: LayerStore, view: StoreView | None = None) -> torch.Tensor:
-        """How many tokens each row keeps now (``[B]``; equal to the stored count where nothing is evicted)."""
-        return self.trigger.plan(self.trigger_input(store, view))
-
-    def eviction_context(self, store: LayerStore, view: StoreView, keep: torch.Tensor,
-                         queries: torch.Tensor | None = None, query_positions: torch.Tensor | None = None,
-                         scaling: float = 1.0) -> EvictionContext:
-        """Everything the evictor sees for one layer: keys, positions, protection, queries, slot channels."""
-        is_prompt = view.valid & (view.positions < store.prompt_columns)
-        return EvictionContext(
-            keys=view.keys,
-            positions=view.positions,
-            valid=view.valid,
-            keep=keep,
-            protected=self.protected(view, is_prompt),
-            queries=queries,
-            query_valid=None if query_positions is None else query_positions >= 0,
-            query_positions=query_positions,
-            scaling=scaling,
-            state={name: store.channel(name, view) for name in getattr(self.evictor, "slot_channels", ())},
-            classes=view.classes,
-            class_names=tuple(self.classes),
-            prompt_columns=store.prompt_columns or 0,
-            segment=self.refresh,
-            columns_limit=store.columns_limit if store.static else None,
-            check=not store.static,
-        )
-
-    def protected(self, view: StoreView, is_prompt: torch.Tensor) -> torch.Tensor:
-        """Tokens no evictor may drop: sinks, the most recent tokens, and (optionally) the prompt."""
-        big = torch.iinfo(torch.long).max
-        order_key = torch.where(view.valid, view.positions, big)
-        age_rank = torch.argsort(torch.argsort(order_key, dim=1), dim=1)  # 0 = oldest live token
-        live = view.valid.sum(1, keepdim=True)
-        protected = (age_rank < self.sinks) | (age_rank >= live - self.recent_tokens)
-        if self.protect_prompt:
-            protected = protected | is_prompt
-        return protected & view.valid

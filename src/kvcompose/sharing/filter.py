@@ -1,6 +1,6 @@
 """Sharing filters: which sealed blocks of a finished reasoning step reuse earlier ones.
 
-A filter is configuration plus the decision rule; the cache's :class:`~kvcompose.hf.sharing.SharingTracker`
+A filter is configuration plus the decision rule; the cache's :class:`~kvcompose.runtime.sharing.SharingTracker`
 finds the steps and their blocks, measures block distances when asked, and applies the
 decisions through the ``share`` pager. Each sequence keeps its own history
 (:meth:`SharingFilter.new_row`), so a sequence decides the same in a batch as alone.

@@ -2,7 +2,7 @@
 filter decide, and apply its decisions through the ``share`` pager.
 
 After every forward pass the tracker reads the ids that pass appended (the cache's
-:class:`~kvcompose.hf.tokens.TokenStream`) and cuts each sequence's generated text into
+:class:`~kvcompose.runtime.tokens.TokenStream`) and cuts each sequence's generated text into
 steps at the filter's delimiter (prompt tokens are not steps). A finished step is decided
 once all its tokens have left the recent buffer, so its own blocks (full blocks whose
 tokens all lie inside the step) are sealed. Decisions hold for every layer: the j-th own

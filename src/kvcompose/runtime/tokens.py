@@ -4,7 +4,7 @@ Attention sees keys and values, never token ids. Components that work on text (t
 keyword classifier, ReasonCache's sharing filter) get them through
 :meth:`KVComposeCache.observe_tokens`, called before the forward pass that appends the
 tokens: :func:`kvcompose.hf.generate` does it, ``model.generate`` users pass
-:class:`TokenStreamer` as its ``streamer``, and users who drive ``model(...)`` step by
+:class:`kvcompose.hf.streamer.TokenStreamer` as its ``streamer``, and users who drive ``model(...)`` step by
 step call it themselves. Ids live on the host, per row, padding left out; each carries
 the column (absolute position) it is stored at, which is how text is tied to blocks.
 """
@@ -12,12 +12,6 @@ the column (absolute position) it is stored at, which is how text is tied to blo
 from __future__ import annotations
 
 import torch
-
-try:  # transformers' streamer base class (a plain object with put/end)
-    from transformers.generation.streamers import BaseStreamer
-except ImportError:  # pragma: no cover - very old transformers
-    BaseStreamer = object
-
 
 class TokenStream:
     """Per-row token ids and their columns, as observed, with a decoder for their text."""
@@ -92,32 +86,3 @@ class TokenStream:
             raise ValueError("this cache has no tokenizer to decode text with: make it with "
                              "policy.make_cache(model, tokenizer=tokenizer)")
         return self.tokenizer
-
-
-class TokenStreamer(BaseStreamer):
-    """Wires ``model.generate`` to a cache's token stream: pass it as ``streamer=``.
-
-    ``generate`` hands a streamer the prompt before the prefill and each new token before
-    the forward that appends it, which is when the cache must know them. ``attention_mask``:
-    the prompt's (padding is left out); ``then``: another streamer to pass everything on to.
-    """
-
-    def __init__(self, cache, attention_mask: torch.Tensor | None = None, then=None):
-        self.cache = cache
-        self.attention_mask = attention_mask
-        self.then = then
-        self._started = False
-
-    def put(self, value: torch.Tensor) -> None:
-        ids = value if value.dim() == 2 else value.reshape(-1, 1)
-        if not self._started:
-            self.cache.observe_tokens(ids, self.attention_mask)
-            self._started = True
-        else:
-            self.cache.observe_tokens(ids)
-        if self.then is not None:
-            self.then.put(value)
-
-    def end(self) -> None:
-        if self.then is not None:
-            self.then.end()
