@@ -74,8 +74,18 @@ def capture_graph(warm: Callable[[], object], body: Callable[[], object], device
 def graph_ms(fn: Callable[[], object], repeats: int, warmup: int = 3, calls: int = 10) -> float:
     """Median milliseconds of one ``fn()`` from CUDA-graph replays (``calls`` calls per graph,
     each replay timed alone)."""
-    graph = capture_graph(lambda: [fn() for _ in range(3)], lambda: [fn() for _ in range(calls)])
+    graph = capture_graph(_repeated(fn, 3), _repeated(fn, calls))
     for _ in range(warmup):
         graph.replay()
     times = call_times_ms(lambda _: graph.replay(), repeats, "cuda")
     return statistics.median(t / calls for t in times)
+
+
+def _repeated(fn: Callable[[], object], n: int) -> Callable[[], None]:
+    """``n`` calls of ``fn``, each result dropped at once (inside a capture, as a loop would)."""
+
+    def calls() -> None:
+        for _ in range(n):
+            fn()
+
+    return calls
