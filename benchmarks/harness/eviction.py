@@ -1,27 +1,19 @@
-"""Shared helpers for the kvcompose benchmarks.
+"""One layer right after attention, as :meth:`Policy.compress` sees it, and the timed eviction step.
 
-- :class:`Scenario` / :func:`build_state`: one layer right after attention, holding
-  ``candidates`` live tokens per sequence, exactly as :meth:`Policy.compress` sees it;
-- :func:`evict`: the timed eviction step (score + select + gather/compact);
-- :func:`environment` and :func:`write_json`: metadata and result files.
+- :class:`Scenario` / :func:`build_state`: a layer holding ``candidates`` live tokens per sequence;
+- :func:`evict`: the timed step (context + score + select + gather/compact);
+- :func:`check_eviction`: the benchmark's step against ``Policy.compress`` on the same state.
 
-The state is built with the public store API (``LayerStore.append``,
-``add_to_channel``) from random keys, values and recorded queries. Random data is
-fine for speed: every evictor does the same work whatever the values.
+The state is built with the public store API (``LayerStore.append``, ``add_to_channel``)
+from random keys, values and recorded queries. Random data is fine for speed: every
+evictor does the same work whatever the values.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
-import json
-import os
-import platform
-import subprocess
 from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 
 import torch
 
@@ -31,11 +23,8 @@ from kvcompose.paging import LayerStore, StoreView
 
 PRESETS = ("rkv", "snapkv", "h2o", "streamingllm", "rpc")
 BUFFER = 128  # R-KV's buffer: candidates = budget + BUFFER, one eviction every BUFFER decode steps
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-# ------------------------------------------------------------------ eviction state
 @dataclass(frozen=True)
 class Scenario:
     """One eviction of one layer: ``candidates`` live tokens per sequence, ``keep`` survive."""
@@ -71,6 +60,10 @@ class EvictionState:
     @property
     def query_valid(self) -> torch.Tensor | None:
         return None if self.query_positions is None else self.query_positions >= 0
+
+    def recent_queries(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The recorded queries and their positions, oldest first (as an eager layer gives them)."""
+        return self.queries, self.query_positions
 
     def fresh(self) -> "EvictionState":
         """A copy whose store can be compacted without touching this one (the view stays valid for it)."""
@@ -148,91 +141,3 @@ def check_eviction(state: EvictionState) -> bool | None:
     if not state.policy.compress(theirs, state.view):
         return None
     return bool(torch.equal(kept_positions(ours.store), kept_positions(theirs.store)))
-
-
-# ------------------------------------------------------------------------ metadata
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        if package == "kvcompose":  # run from a source tree (PYTHONPATH=src) without installing
-            import kvcompose
-
-            return kvcompose.__version__
-        return None
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256)
-TINY_LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024)
-
-
-def llama_model(smoke: bool, device: str = "cuda", dtype: torch.dtype | None = None, max_positions: int = 16384):
-    """A random-weight Llama with Llama-3-8B shapes (bf16), or a tiny one for smoke runs (fp32);
-    speed does not depend on the weights. Attention: ``kvcompose``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**(TINY_LLAMA if smoke else LLAMA3_8B), max_position_embeddings=max_positions,
-                         attn_implementation="kvcompose")
-    dtype = dtype or (torch.float32 if smoke else torch.bfloat16)
-    torch.manual_seed(0)
-    with torch.device(device):
-        return LlamaForCausalLM(config).to(dtype).eval()
-
-
-def environment() -> dict:
-    """Where and with what a benchmark ran: date, host, hardware, versions, git commit."""
-    cuda = torch.cuda.is_available()
-    commit = _git("rev-parse", "HEAD")
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name() if cuda else None,
-        "cuda": torch.version.cuda if cuda else None,
-        "versions": {p: _version(p) for p in ("torch", "triton", "transformers", "kvcompose")},
-        "git_commit": commit,
-        "git_dirty": bool(_git("status", "--porcelain")) if commit else None,
-    }
-
-
-def write_json(path: str | Path, data: dict) -> Path:
-    """Write ``data`` as indented JSON, creating the folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")  # a run killed mid-write leaves the old file whole
-    partial.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(partial, path)
-    return path
-
-
-def format_table(headers: list[str], rows: list[list]) -> str:
-    """A plain fixed-width text table (numbers as given, right-aligned)."""
-    cells = [headers] + [["" if c is None else str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
