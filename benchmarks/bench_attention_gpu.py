@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import common
+from harness.results import ResultLog, result_path
+from harness.table import format_table
+from harness.timing import graph_ms
 from kvcompose import registry
 from kvcompose.ops.attention_launch import TILE_SHAPE
 from kvcompose.ops.paged_attention import (
@@ -93,31 +94,6 @@ def build(label: str, B: int, L: int, device) -> tuple[list[PagedSource], torch.
                          torch.arange(B, device=device)[:, None], BUFFER, torch.ones(B * BUFFER, dtype=torch.bool,
                                                                                       device=device))
     return [PagedSource(key, value, table, bs, valid), buffer]
-
-
-def graph_ms(fn, repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of one ``fn()`` from CUDA-graph replays (10 calls per graph)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    for _ in range(warmup):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 10)
-    return statistics.median(times)
 
 
 def copy_tbps() -> float:
@@ -186,7 +162,7 @@ def run(shapes, formats, repeats: int) -> tuple[float, list[dict]]:
 def table(results: list[dict]) -> str:
     rows = [[r["format"], f"{r['batch']}x{r['tokens']}", f"{r['ms']:.4f}", f"{r['tb_per_s']:.2f}",
              f"{r['fraction_of_copy']:.0%}", f"{r['sdpa_ms']:.4f}", f"{r['speedup_vs_sdpa']:.2f}"] for r in results]
-    return common.format_table(["format", "BxL", "ms", "TB/s", "of copy", "sdpa ms", "speedup"], rows)
+    return format_table(["format", "BxL", "ms", "TB/s", "of copy", "sdpa ms", "speedup"], rows)
 
 
 def main(argv=None) -> int:
@@ -194,20 +170,21 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="two small shapes, few repeats")
     p.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--out", default=str(common.RESULTS_DIR / "attention_gpu.json"))
+    p.add_argument("--out", default=str(result_path("attention_gpu")), help="history file the run is added to")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention_gpu needs a CUDA GPU", file=sys.stderr)
         return 2
+    log = ResultLog(args.out)
     wall = time.perf_counter()
     copy, results = run(SMOKE_SHAPES if args.smoke else SHAPES, args.formats, 5 if args.smoke else args.repeats)
     data = {"benchmark": "fused paged decode attention vs bf16 SDPA", "smoke": args.smoke,
             "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "block_sizes": BLOCK_SIZES,
                        "buffer_tokens": BUFFER},
             "targets": TARGETS, "copy_tb_per_s": copy, "results": results,
-            "seconds": time.perf_counter() - wall, "environment": common.environment()}
+            "seconds": time.perf_counter() - wall}
     if not args.smoke:
-        print(f"wrote {common.write_json(args.out, data)}")
+        print(f"wrote {log.save(data)}")
     print(table(results))
     return 0
 

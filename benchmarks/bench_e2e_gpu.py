@@ -30,7 +30,7 @@ share of eager steps (evictions, classifier refreshes) and their share of decode
 (CUDA events per step), and the host's own milliseconds per replayed step.
 
     python benchmarks/bench_e2e_gpu.py --smoke                       # tiny model, seconds
-    python benchmarks/bench_e2e_gpu.py --scenarios a --out results/e2e_gpu.json
+    python benchmarks/bench_e2e_gpu.py --scenarios a --out benchmarks/results/e2e_gpu.json
 """
 
 from __future__ import annotations
@@ -39,13 +39,15 @@ import argparse
 import json
 import os
 import traceback
-from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 
 import torch  # noqa: E402
 
-from common import environment, format_table, llama_model, write_json  # noqa: E402
+from harness.environment import environment  # noqa: E402
+from harness.llama import llama_model  # noqa: E402
+from harness.results import ResultLog  # noqa: E402
+from harness.table import format_table  # noqa: E402
 
 from kvcompose.speed import fit_policy, fit_transformers_static  # noqa: E402
 
@@ -60,6 +62,7 @@ SMOKE = dict(batch=4, prompt=64, new=48, budget=48)
 # thresholds on its first four layers (speed does not depend on the thought mix).
 THINKV_CLASSIFIER = {"name": "sparsity_kde", "thresholds": [0.5, 0.8], "layers": [0, 1, 2, 3]}
 BUDGETED = {"streamingllm", "snapkv", "h2o", "rkv", "thinkv"}
+MODEL = "random Llama-3-8B shapes, bf16"
 
 
 def build_model(smoke: bool):
@@ -122,8 +125,10 @@ def main(argv=None) -> int:
                          "not depend on the step)")
     ap.add_argument("--oom-retries", type=int, default=4, help="scenario c: smaller batches tried after an OOM or a peak over the cap")
     ap.add_argument("--run", default=None, help="label of this run, stored in each record (e.g. b7)")
-    ap.add_argument("--out", default=None, help="JSON file; records are merged by (policy, scenario)")
+    ap.add_argument("--out", default=None, help="history file this run is added to (e.g. "
+                    "benchmarks/results/e2e_gpu.json); earlier runs stay as they are")
     args = ap.parse_args(argv)
+    log = open_log(args.out)
     model = build_model(args.smoke)
     names = [p for p in args.policies.split(",") if p]
     records = []
@@ -131,38 +136,34 @@ def main(argv=None) -> int:
         shape = dict(SMOKE) if args.smoke else dict(SCENARIOS[scenario])
         if args.new_tokens:
             shape["new"] = args.new_tokens
-        rows = run_scenario(model, scenario, shape, names, args, lambda rows: save(records + rows, args))
+        rows = run_scenario(model, scenario, shape, names, args, lambda rows: save(log, records + rows, args))
         records += rows
         print(format_table(TABLE, [[_cell(r.get(c)) for c in TABLE] for r in rows]), flush=True)
     return 0
 
 
-def save(records: list[dict], args) -> None:
-    """Merge what has run so far into ``--out`` (after every record: a run cut off by a time
-    limit keeps the records it finished)."""
-    if args.out:
-        merge_into(Path(args.out), records, args.run)
+def open_log(out: str | None) -> ResultLog | None:
+    """This run's entry in the history at ``out`` (None: nothing is written); its environment
+    records the allocator settings."""
+    if out is None:
+        return None
+    return ResultLog(out, environment(allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")))
 
 
-def merge_into(path: Path, records: list[dict], run: str | None) -> None:
-    """Add ``records`` to the JSON at ``path``: they replace older records of the same policy
-    and scenario; a baseline record stays while a record of its run still refers to it. The
-    run's environment (versions, commit, allocator settings) goes under ``runs[run]``; the
-    top-level ``environment`` is the latest run's."""
-    env = dict(environment(), allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
-    old = json.loads(path.read_text()) if path.exists() else {"records": []}
+def save(log: ResultLog | None, records: list[dict], args) -> None:
+    """Write what has run so far as this run's entry of ``--out``'s history (after every record:
+    a run cut off by a time limit keeps the records it finished)."""
+    if log is not None:
+        log.save(run_entry(records, args.run, log.environment["date"], args.smoke))
+
+
+def run_entry(records: list[dict], run: str | None, date: str, smoke: bool = False) -> dict:
+    """One run's entry: its records, each labelled with the run (default: the first scenario)
+    and its date; a record's ``ratio_to_baseline`` is against the baseline of the same run."""
     run = run or records[0]["scenario"]
     for r in records:
-        r.update(run=run, date=env["date"])
-    new = {(r["policy"], r["scenario"]) for r in records}
-    keep = [r for r in old["records"] if (r["policy"], r["scenario"]) not in new or
-            (r["policy"] == "transformers-static" and r.get("run") != run)]
-    merged = keep + records
-    used = {(r["scenario"], r.get("run")) for r in merged if r["policy"] != "transformers-static"}
-    merged = [r for r in merged if r["policy"] != "transformers-static" or (r["scenario"], r.get("run")) in used]
-    runs = dict(old.get("environment", {}).get("runs", {}), **{run: env})
-    write_json(path, dict(old, environment=dict(env, runs=runs), model="random Llama-3-8B shapes, bf16",
-                          records=merged))
+        r.update(run=run, date=date)
+    return {"benchmark": "e2e_gpu", "run": run, "smoke": smoke, "model": MODEL, "records": records}
 
 
 def run_scenario(model, scenario: str, shape: dict, names: list[str], args, saved=lambda rows: None) -> list[dict]:

@@ -7,7 +7,7 @@ Run (from the repository root, kvcompose installed or ``PYTHONPATH=src``)::
 
 Shapes: 32 layers, 32 query heads, 8 KV heads, head dim 128, bf16; batch 1/16/64/256;
 budget 1024/2048 with ``candidates = budget + 128`` (R-KV's buffer). One eviction
-step (context + ``evictor.select`` + ``pager.compact``, as ``Policy.compress`` runs
+step (context + ``evictor.select`` + ``pager.compact``, as ``kvcompose.runtime.compression.compress`` runs
 it once the trigger fires) is timed on ONE layer with CUDA events (median of
 ``--repeats`` after ``--warmup``, each from a fresh copy of the state) and
 multiplied by 32: layers evict independently with identical work, and 32 layers of
@@ -33,7 +33,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import common
+from harness import eviction
+from harness.results import ResultLog, result_path
+from harness.table import format_table
+from harness.timing import call_times_ms, sync
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Config:
     dtype: torch.dtype = torch.bfloat16
     batches: tuple[int, ...] = (1, 16, 64, 256)
     budgets: tuple[int, ...] = (1024, 2048)
-    presets: tuple[str, ...] = common.PRESETS
+    presets: tuple[str, ...] = eviction.PRESETS
     prompt: int = 64
     warmup: int = 2
     repeats: int = 10
@@ -58,24 +61,10 @@ ATTENTION_BYTES_TARGET = 256 * 2**20  # cycle through enough layers of K/V to de
 
 
 # ------------------------------------------------------------------------- timing
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_once(fn, args, device: torch.device) -> float:
-    """Milliseconds of ``fn(*args)``: CUDA events on a GPU, a wall clock otherwise."""
+    """Milliseconds of ``fn(*args)`` from an idle device: CUDA events on a GPU, a wall clock otherwise."""
     sync(device)
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn(*args)
-        return (time.perf_counter() - start) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(*args)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return call_times_ms(lambda _: fn(*args), 1, device)[0]
 
 
 def measure(fn, setup, device: torch.device, cfg: Config) -> list[float]:
@@ -116,9 +105,9 @@ def reset_peak(device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------- eviction
-def scenario(preset: str, batch: int, budget: int, cfg: Config) -> common.Scenario:
-    return common.Scenario(
-        preset, batch, keep=budget, candidates=budget + common.BUFFER, q_heads=cfg.q_heads,
+def scenario(preset: str, batch: int, budget: int, cfg: Config) -> eviction.Scenario:
+    return eviction.Scenario(
+        preset, batch, keep=budget, candidates=budget + eviction.BUFFER, q_heads=cfg.q_heads,
         kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype, prompt=cfg.prompt,
     )
 
@@ -129,13 +118,13 @@ def own_trigger_steps(policy) -> int | None:
     return {"buffer": getattr(policy.trigger, "buffer", None), "over_budget": 1}.get(name)
 
 
-def time_eviction(s: common.Scenario, device: torch.device, cfg: Config) -> dict:
+def time_eviction(s: eviction.Scenario, device: torch.device, cfg: Config) -> dict:
     reset_peak(device)
-    state = common.build_state(s, device)
-    matches = common.check_eviction(state)
+    state = eviction.build_state(s, device)
+    matches = eviction.check_eviction(state)
     if matches is False:
-        raise AssertionError("the benchmark's eviction context differs from Policy.compress's")
-    times = measure(common.evict, lambda: (state.fresh(),), device, cfg)
+        raise AssertionError("the benchmark's eviction context differs from the library's compression")
+    times = measure(eviction.evict, lambda: (state.fresh(),), device, cfg)
     per_layer = statistics.median(times)
     per_step = per_layer * cfg.layers
     steps = own_trigger_steps(state.policy)
@@ -144,7 +133,7 @@ def time_eviction(s: common.Scenario, device: torch.device, cfg: Config) -> dict
         "trigger": state.policy.trigger.name,
         "eviction_ms_per_layer": round(per_layer, 4),
         "eviction_ms_per_step": round(per_step, 3),
-        "amortized_ms_per_decode_step": round(per_step / common.BUFFER, 4),
+        "amortized_ms_per_decode_step": round(per_step / eviction.BUFFER, 4),
         "own_trigger_ms_per_decode_step": round(per_step / steps, 4) if steps else None,
         "repeats": len(times),
         "min_ms_per_layer": round(min(times), 4),
@@ -190,7 +179,7 @@ def run(cfg: Config, device: torch.device) -> tuple[list[dict], list[dict]]:
     done = 0
     for budget in cfg.budgets:
         for batch in cfg.batches:
-            candidates = budget + common.BUFFER
+            candidates = budget + eviction.BUFFER
             key = {"batch": batch, "budget": budget, "candidates": candidates}
             att = skipped() if time.perf_counter() > deadline else guarded(time_attention, batch, candidates, device, cfg)
             attention.append({**key, **att})
@@ -244,7 +233,7 @@ def table(results: list[dict], attention: list[dict]) -> str:
             f"{100 * r['amortized_over_sdpa']:.1f}%" if "amortized_over_sdpa" in r else None,
             r.get("peak_gib"), r["status"],
         ])
-    return common.format_table(headers, rows)
+    return format_table(headers, rows)
 
 
 def describe(cfg: Config, device: torch.device, smoke: bool) -> dict:
@@ -261,7 +250,7 @@ def describe(cfg: Config, device: torch.device, smoke: bool) -> dict:
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "batches": list(cfg.batches),
         "budgets": list(cfg.budgets),
-        "buffer": common.BUFFER,
+        "buffer": eviction.BUFFER,
         "prompt_tokens": cfg.prompt,
         "warmup": cfg.warmup,
         "repeats": cfg.repeats,
@@ -275,10 +264,10 @@ def describe(cfg: Config, device: torch.device, smoke: bool) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "eviction_gpu.json")
+    p.add_argument("--out", type=Path, default=result_path("eviction_gpu"), help="history file the run is added to")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repeat: checks the script on any device")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--presets", nargs="+", choices=common.PRESETS)
+    p.add_argument("--presets", nargs="+", choices=eviction.PRESETS)
     p.add_argument("--batches", nargs="+", type=int)
     p.add_argument("--budgets", nargs="+", type=int)
     p.add_argument("--repeats", type=int)
@@ -300,14 +289,15 @@ def main(argv=None) -> int:
         print("no CUDA device: run with --smoke to check the script on CPU", file=sys.stderr)
         return 2
     cfg = config_from(args)
-    env = common.environment()
+    log = ResultLog(args.out)
+    env = log.environment
     print(f"eviction benchmark on {env['gpu'] or env['cpu']} (torch {env['versions']['torch']}), "
           f"{len(cfg.budgets) * len(cfg.batches) * len(cfg.presets)} configurations", flush=True)
     attention, results = run(cfg, device)
     print(table(results, attention), flush=True)
-    out = common.write_json(args.out, {
+    out = log.save({
         "benchmark": "eviction_gpu",
-        "environment": env,
+        "smoke": args.smoke,
         "config": describe(cfg, device, args.smoke),
         "attention": attention,
         "results": results,

@@ -59,7 +59,9 @@ from pathlib import Path
 
 import torch
 
-import common
+from harness.results import ResultLog, result_path
+from harness.table import format_table
+from harness.timing import call_times_ms, capture_graph, sync
 from kvcompose import registry
 from kvcompose.ops.quant_common import flag_bits, new_flags
 
@@ -100,30 +102,12 @@ SMOKE = Config(tokens=(16, 40), kv_heads=2, head_dim=32, warmup=0, repeats=1, co
 
 
 # ------------------------------------------------------------------------- timing
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_calls(fn, inputs: list, device: torch.device, warmup: int, repeats: int) -> list[float]:
     """Milliseconds of each of ``repeats`` calls ``fn(inputs[i % len(inputs)])``, issued back to back."""
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
     sync(device)
-    if device.type != "cuda":
-        out = []
-        for i in range(repeats):
-            start = time.perf_counter()
-            fn(inputs[i % len(inputs)])
-            out.append((time.perf_counter() - start) * 1e3)
-        return out
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for i, (start, end) in enumerate(events):
-        start.record()
-        fn(inputs[i % len(inputs)])
-        end.record()
-    sync(device)
-    return [s.elapsed_time(e) for s, e in events]
+    return call_times_ms(lambda i: fn(inputs[i % len(inputs)]), repeats, device, back_to_back=True)
 
 
 def summary(times: list[float], nbytes: int, copy_tbps: float | None) -> dict:
@@ -144,25 +128,15 @@ def time_graph(fn, inputs: list, device: torch.device, warmup: int, repeats: int
     """
     if device.type != "cuda":
         return None
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # compile and allocate outside the capture
+
+    def each_input():
         for x in inputs:
             fn(x)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x in inputs:
-            fn(x)
+
+    graph = capture_graph(each_input, each_input, device)
     for _ in range(max(1, warmup)):
         graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    sync(device)
-    out = [s.elapsed_time(e) / len(inputs) for s, e in events]
+    out = [t / len(inputs) for t in call_times_ms(lambda _: graph.replay(), repeats, device, back_to_back=True)]
     del graph
     return out
 
@@ -305,12 +279,12 @@ def table(results: list[dict]) -> str:
                      "" if frac is None else ("yes" if r["meets_target"] else "NO"),
                      f"{r['call_ms']:.3f}", "" if r["call_frac_copy"] is None else f"{100 * r['call_frac_copy']:.1f}",
                      {True: "yes", False: "NO", None: "-"}[r["matches_reference"]]])
-    return common.format_table(headers, rows)
+    return format_table(headers, rows)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "quant_gpu.json")
+    p.add_argument("--out", type=Path, default=result_path("quant_gpu"), help="history file the run is added to")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repeat: checks the script on any device")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", nargs="+", type=int)
@@ -329,7 +303,8 @@ def main(argv=None) -> int:
                   ("warmup", args.warmup), ("time_budget_s", args.time_budget_s)) if v is not None}
     cfg = dataclasses.replace(cfg, **overrides)
     device = torch.device(args.device)
-    env = common.environment()
+    log = ResultLog(args.out)
+    env = log.environment
     print(f"device {env['gpu'] or env['cpu']}; torch {env['versions']['torch']}, triton {env['versions']['triton']}",
           flush=True)
     wall = time.perf_counter()
@@ -349,9 +324,8 @@ def main(argv=None) -> int:
                                             if r.get("meets_target") is False}),
                     "all_match_reference": all(r["matches_reference"] is not False for r in ok)},
         "seconds": time.perf_counter() - wall,
-        "environment": env,
     }
-    path = common.write_json(args.out, data)
+    path = log.save(data)
     print(table(results))
     print(f"copy bandwidth {copy['tbps']:.2f} TB/s; {len(meets)}/{len(ok)} configurations at >= {TARGET:.0%} of it")
     print(f"wrote {path} in {data['seconds']:.1f}s", flush=True)

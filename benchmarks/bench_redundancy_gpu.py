@@ -27,14 +27,16 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined: before the import below
 
-import common  # noqa: E402  (benchmarks/common.py: environment metadata, JSON writer, table)
+from harness.environment import environment  # noqa: E402
+from harness.results import append_run  # noqa: E402
+from harness.table import format_table  # noqa: E402
+from harness.timing import call_times_ms  # noqa: E402
 from kvcompose.ops.redundancy import redundancy_column_sums, redundancy_column_sums_torch  # noqa: E402
 
 THRESHOLD = 0.5  # R-KV's default
@@ -52,20 +54,7 @@ def time_ms(fn, device: str, repeats: int, warmup: int) -> float:
     """Median milliseconds of one call (CUDA events on a GPU, wall clock on CPU)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(call_times_ms(lambda _: fn(), repeats, device))
 
 
 def peak_mib(fn, device: str) -> float | None:
@@ -110,7 +99,7 @@ def run_case(B, H, L, D, dtype, beta, device, repeats, warmup) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--out", help="history file the run is added to (e.g. benchmarks/results/redundancy_gpu.json)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2176], help="candidates per sequence")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
@@ -139,17 +128,17 @@ def main(argv=None) -> int:
              r["agree"]] for r in rows]
     print(f"\nR-KV redundancy column sums, B={B} Hkv={H} D={D} bf16, threshold {THRESHOLD} "
           f"({'CUDA events' if cuda else 'CPU interpreter: not a performance number'})")
-    print(common.format_table(headers, body))
+    print(format_table(headers, body))
     result = {
         "benchmark": "redundancy_gpu",
-        "environment": {**common.environment(), "triton_interpret": os.environ.get("TRITON_INTERPRET")},
         "smoke": args.smoke,
         "timing": f"median of {repeats} calls after {warmup} warm-up calls; "
                   + ("CUDA events" if cuda else "wall clock on CPU (Triton interpreter)"),
         "results": rows,
     }
     if args.out:
-        print(f"wrote {common.write_json(args.out, result)}")
+        env = environment(triton_interpret=os.environ.get("TRITON_INTERPRET"))
+        print(f"wrote {append_run(args.out, result, env)}")
     return 0 if all(r["agree"] for r in rows) else 1
 
 

@@ -37,7 +37,9 @@ import time
 import numpy as np
 import torch
 
-import common  # benchmarks/common.py: environment metadata, JSON writer, table
+from harness.results import append_run, result_path
+from harness.table import format_table
+from harness.timing import sync
 from kvcompose import Policy
 from kvcompose.hf.cache import KVComposeCache
 
@@ -113,11 +115,6 @@ def script(rng: random.Random, prompt: int, tokens: int, repeat_share: float, fo
 
 
 # ---------------------------------------------------------------------------- one run
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def stats(ms: list[float]) -> dict:
     if not ms:
         return {"calls": 0, "mean": None, "p50": None, "p95": None, "max": None}
@@ -224,7 +221,7 @@ def run(preset: str, filter_fields: dict, args, device: torch.device, dtype: tor
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=str(common.RESULTS_DIR / "sharing_gpu.json"), help="JSON results file")
+    ap.add_argument("--out", default=str(result_path("sharing_gpu")), help="history file the run is added to")
     ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
     ap.add_argument("--layers", type=int, help="default 32 (smoke: 4)")
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -281,17 +278,16 @@ def main(argv=None) -> int:
             for r in records]
     print(f"\nReasonCache sharing, {device.type}: L={args.layers} B={args.batch} Hkv={args.kv_heads} D={args.head_dim} "
           f"{args.dtype}, prompt {args.prompt}, {args.steps} steps; ms per after_forward call (budget {BUDGET_MS} ms)")
-    print(common.format_table(headers, body))
+    print(format_table(headers, body))
     result = {
         "benchmark": "sharing_gpu",
-        "environment": common.environment(),
         "smoke": args.smoke,
         "timing": "host wall clock of each decode step's SharingTracker.after_forward call (the prefill's is "
                   "prefill_ms), CUDA synchronized before and after; share_ms_per_call: pager.share alone, "
                   "synchronized likewise",
         "results": records,
     }
-    print(f"wrote {common.write_json(args.out, result)}")
+    print(f"wrote {append_run(args.out, result)}")
     return 0
 
 

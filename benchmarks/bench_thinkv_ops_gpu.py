@@ -25,14 +25,15 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined: before the import below
 
-import common  # noqa: E402  (benchmarks/common.py: environment metadata, JSON writer)
+from harness.environment import environment  # noqa: E402
+from harness.results import append_run  # noqa: E402
+from harness.timing import call_times_ms  # noqa: E402
 from kvcompose.ops.kmeans import kmeans_select  # noqa: E402
 from kvcompose.ops.sparsity import attention_sparsity  # noqa: E402
 
@@ -47,21 +48,9 @@ class Timer:
     def __call__(self, fn) -> float:
         for _ in range(self.warmup):
             fn()
-        times = []
-        for _ in range(self.reps):
-            if self.device == "cuda":
-                self.flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
+        flush = None if self.flush is None else (lambda _: self.flush.zero_())
+        ms = call_times_ms(lambda _: fn(), self.reps, self.device, before=flush)
+        return statistics.median(t * 1e3 for t in ms)
 
 
 def bench_sparsity(cfg: dict, timer: Timer, device: str) -> list[dict]:
@@ -132,7 +121,7 @@ def bench_kmeans(cfg: dict, timer: Timer, device: str) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--out", help="history file the run is added to (e.g. benchmarks/results/thinkv_ops_gpu.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU through the Triton interpreter")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
     args = ap.parse_args(argv)
@@ -153,7 +142,7 @@ def main(argv=None) -> None:
         timer = Timer(device, reps=args.reps or 30, warmup=3)
 
     result = {
-        "meta": {**common.environment(), "triton_interpret": os.environ.get("TRITON_INTERPRET")},
+        "benchmark": "thinkv_ops_gpu",
         "smoke": args.smoke,
         "timing": "median of one call; CUDA events; L2 flushed before each repetition; validate=False"
         if cuda else "median wall clock of one call on CPU (Triton interpreter); not a performance number",
@@ -161,7 +150,8 @@ def main(argv=None) -> None:
         "kmeans": bench_kmeans(kmeans_cfg, timer, device),
     }
     if args.out:
-        print(f"wrote {common.write_json(args.out, result)}")
+        env = environment(triton_interpret=os.environ.get("TRITON_INTERPRET"))
+        print(f"wrote {append_run(args.out, result, env)}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ import time
 
 import torch
 
-from common import environment, format_table, llama_model, write_json
+from harness.llama import llama_model
+from harness.results import append_run, result_path
+from harness.table import format_table
 
 POLICIES = {
     "rkv": dict(name="rkv", overrides={"budget": 1024}),
@@ -58,7 +60,7 @@ def run(model, policy, batch: int, prompt: int, new: int, device: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/thinkv_vs_rkv_gpu.json")
+    ap.add_argument("--out", default=str(result_path("thinkv_vs_rkv_gpu")), help="history file the run is added to")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few steps")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=512)
@@ -91,7 +93,7 @@ def main() -> None:
                      f"{r['total_s']:.1f}", f"{r['memory_pct']:.1f}", f"{r['avg_bits']:.2f}"])
     print(format_table(["policy", "tok/s", "call rate %", "attn s", "evict s", "refresh s", "total s",
                         "KV mem %", "avg bits"], rows))
-    write_json(args.out, {"benchmark": "thinkv_vs_rkv", "environment": environment(),
+    append_run(args.out, {"benchmark": "thinkv_vs_rkv", "smoke": args.smoke,
                           "config": {"batch": batch, "prompt": prompt, "new_tokens": new, "smoke": args.smoke},
                           "results": results})
     print(f"wrote {args.out}")

@@ -2,9 +2,9 @@
 
 - torch runs on ``KVCOMPOSE_BENCH_THREADS`` threads (default 1: steadier on shared machines);
 - the environment (versions, host, date, commit) goes into the JSON's ``machine_info``;
-- with ``--benchmark-json PATH``, a compact ``PATH`` stem + ``_summary.json`` (median ms
-  per preset, batch and candidate count, plus the environment) is written beside it
-  and printed as a table.
+- with ``--benchmark-json PATH``, a compact summary (median ms per preset, batch and
+  candidate count) is added as a run to the history ``PATH`` stem + ``_summary.json``
+  beside it, and printed as a table.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
+from harness import eviction
+from harness.environment import environment
+from harness.results import append_run
+from harness.table import format_table
 
 SUMMARY_TABLE = pytest.StashKey[str]()
 SHAPE_KEYS = ("q_heads", "kv_heads", "head_dim", "dtype", "prompt")
@@ -29,21 +32,20 @@ def pytest_configure(config):
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    machine_info["kvcompose_environment"] = common.environment()
+    machine_info["kvcompose_environment"] = environment()
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     rows = [summary_row(b) for b in output_json["benchmarks"]]
     summary = {
         "benchmark": "eviction_cpu",
-        "environment": common.environment(),
         "measured": "one eviction step of one layer: context (protected, slot channels) + evictor.select + "
         "pager.compact; keep = candidates - 128; fresh copy of the state each round (untimed)",
         "shape": {k: output_json["benchmarks"][0]["extra_info"][k] for k in SHAPE_KEYS} if rows else None,
         "results": rows,
     }
     path = Path(config.getoption("benchmark_json"))
-    common.write_json(path.with_name(path.stem + "_summary.json"), summary)
+    append_run(path.with_name(path.stem + "_summary.json"), summary)
     config.stash[SUMMARY_TABLE] = summary_table(rows)
 
 
@@ -73,9 +75,9 @@ def summary_table(rows: list[dict]) -> str:
     """Preset rows by (batch, candidates) columns of median ms."""
     columns = sorted({(r["batch"], r["candidates"]) for r in rows})
     median = {(r["preset"], r["batch"], r["candidates"]): r["median_ms"] for r in rows}
-    presets = [p for p in common.PRESETS if any(r["preset"] == p for r in rows)]
+    presets = [p for p in eviction.PRESETS if any(r["preset"] == p for r in rows)]
     body = [[p] + [_ms(median.get((p, b, n))) for b, n in columns] for p in presets]
-    return common.format_table(["preset"] + [f"B{b} L{n}" for b, n in columns], body)
+    return format_table(["preset"] + [f"B{b} L{n}" for b, n in columns], body)
 
 
 def _ms(value: float | None) -> str | None:

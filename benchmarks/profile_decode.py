@@ -25,7 +25,9 @@ from collections import defaultdict
 import torch
 
 from bench_e2e_gpu import build_model, make_policy
-from common import environment, format_table, llama_model, write_json
+from harness.llama import llama_model
+from harness.results import ResultLog
+from harness.table import format_table
 from kvcompose.hf.static import fast_generate
 from kvcompose.speed import random_prompts
 
@@ -113,8 +115,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reserve", type=int, default=None, help="size the stores for this many new tokens (memory)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per policy")
     ap.add_argument("--smoke", action="store_true", help="tiny model, CPU operators instead of kernels")
-    ap.add_argument("--out", default=None, help="JSON file for the tables")
+    ap.add_argument("--out", default=None, help="history file the run is added to (e.g. "
+                    "benchmarks/results/profile_decode_gpu.json)")
     args = ap.parse_args(argv)
+    log = ResultLog(args.out) if args.out else None
     device = "cpu" if args.smoke else "cuda"
     model = llama_model(True, "cpu") if args.smoke else build_model(False)
     prompt = 16 if args.smoke else args.prompt
@@ -142,9 +146,8 @@ def main(argv=None) -> int:
                         "ms_per_step": total / 1e3, "memory": mem,
                         **({} if replay is None else {"replay_ms_per_step": replay}),
                         "kernels": [{"name": k, "calls_per_step": c, "us_per_step": us} for k, (c, us) in top]})
-        if args.out:  # after every policy: a run cut off by a time limit keeps what it measured
-            write_json(args.out, {"benchmark": "decode step profile", "environment": environment(),
-                                  "records": records})
+        if log is not None:  # after every policy: a run cut off by a time limit keeps what it measured
+            log.save({"benchmark": "decode step profile", "smoke": args.smoke, "records": records})
     return 0
 
 

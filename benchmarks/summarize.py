@@ -1,6 +1,9 @@
 """Render the recorded benchmark JSON files as the docs' results page (docs/benchmark-results.md).
 
-Run after adding or re-running a benchmark so the docs never drift from the JSON:
+Each file is a history of runs (:mod:`harness.results`); a section shows the newest run that
+is not a ``--smoke`` check, and the end-to-end table the newest record of each policy and
+scenario with its run's baseline. Run after adding or re-running a benchmark so the docs
+never drift from the JSON:
 
     python benchmarks/summarize.py            # write the page and its plot
     python benchmarks/summarize.py --check    # exit 1 if they differ from the JSON (the tests run this)
@@ -8,20 +11,25 @@ Run after adding or re-running a benchmark so the docs never drift from the JSON
 
 from __future__ import annotations
 
-import json
+import argparse
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from harness.results import latest_run, read_runs  # noqa: E402
+
 RESULTS = ROOT / "results"
 OUT = ROOT.parent / "docs" / "benchmark-results.md"
 SVG = ROOT.parent / "docs" / "results" / "e2e_throughput.svg"
+BASELINE = "transformers-static"
 
 
 def _load(name: str) -> dict | None:
-    path = RESULTS / name
-    return json.loads(path.read_text()) if path.exists() else None
+    return latest_run(RESULTS / name)
 
 
 def _env(data: dict) -> str:
@@ -57,10 +65,31 @@ def quant(lines: list[str]) -> None:
                      "bit-exact"], rows) + [""]
 
 
+def shown_e2e_records(runs: list[dict]) -> list[tuple[dict, dict | None]]:
+    """The end-to-end records the page shows, in file order, each with its run's environment:
+    the newest record of every (policy, scenario) and the baseline it was measured against
+    (the transformers-static record of the same run and scenario)."""
+    flat = []
+    for i, entry in enumerate(runs):
+        env = entry.get("environment") or {}
+        by_label = env.get("runs")  # the older layout: one entry, every run's environment by its label
+        for r in entry["records"]:
+            flat.append((i, r, by_label.get(r.get("run")) if isinstance(by_label, dict) else env))
+    newest = {(r["policy"], r["scenario"]): n for n, (_, r, _) in enumerate(flat) if r["policy"] != BASELINE}
+    used = {(flat[n][0], flat[n][1].get("run"), flat[n][1]["scenario"]) for n in newest.values()}
+    keep = set(newest.values()) | {n for n, (i, r, _) in enumerate(flat)
+                                   if r["policy"] == BASELINE and (i, r.get("run"), r["scenario"]) in used}
+    return [(r, env) for n, (_, r, env) in enumerate(flat) if n in keep]
+
+
 def e2e(lines: list[str], figures: dict) -> None:
-    data = _load("e2e_gpu.json")
-    if not data:
+    runs = [r for r in read_runs(RESULTS / "e2e_gpu.json") if not r.get("smoke")]
+    if not runs:
         return
+    data = runs[-1]
+    shown = shown_e2e_records(runs)
+    shown_ids = {id(r) for r, _ in shown}
+    notes = " ".join(e["notes"] for e in runs if e.get("notes") and any(id(r) in shown_ids for r in e["records"]))
     lines += ["## End-to-end decode against transformers' static cache", "",
               f"`e2e_gpu.json` — latest run: {_env(data)}. Runs differ in GPU (the GPU column); compare "
               "ratios, which are against the baseline of the same run, not milliseconds across runs.", "",
@@ -76,12 +105,11 @@ def e2e(lines: list[str], figures: dict) -> None:
               "each graph variant's eager first run and first replay (the capture's own host work shows in the wall "
               "time only); *steady ms/step* is the GPU time per step without them, what a run approaches once its "
               "graphs exist (add the host share for a wall figure). Both from run a8 on; the baseline's compile and "
-              "graph recording are left out of its time. " + data.get("notes", ""), ""]
+              "graph recording are left out of its time. " + notes, ""]
     rows = []
-    order = sorted(data["records"], key=lambda r: (r["scenario"], r.get("run", ""), r["policy"] != "transformers-static"))
-    runs = data["environment"].get("runs", {})
-    for r in order:
-        head = [r["policy"], r.get("run", r["scenario"]), _run_gpu(runs.get(r.get("run"))), r["batch"], r["new_tokens"]]
+    order = sorted(shown, key=lambda item: (item[0]["scenario"], item[0].get("run", ""), item[0]["policy"] != BASELINE))
+    for r, env in order:
+        head = [r["policy"], r.get("run", r["scenario"]), _run_gpu(env), r["batch"], r["new_tokens"]]
         if "error" in r:
             rows.append(head + ["", "", "", "", "", "", "", "", r["error"].split(".")[0]])
             continue
@@ -94,18 +122,17 @@ def e2e(lines: list[str], figures: dict) -> None:
     lines += _table(["policy", "run (scenario)", "GPU", "batch", "new tokens timed", "ms/step", "steady ms/step",
                      "one-time s", "tok/s", "x baseline", "peak GiB", "eviction share %", "host share %", "error"],
                     rows) + [""]
-    figures[SVG] = _throughput_svg([r for r in data["records"] if "tok_per_s" in r])
+    figures[SVG] = _throughput_svg([r for r, _ in shown if "tok_per_s" in r])
     lines += ["![Throughput against batch](results/e2e_throughput.svg)", ""]
 
 
 def _optional(record: dict, key: str, fmt: str) -> str:
-    """A field that runs before session 17 did not record: blank there."""
+    """A field that older runs did not record: blank there."""
     return fmt.format(record[key]) if record.get(key) is not None else ""
 
 
 def _run_gpu(env) -> str:
-    """The GPU a run recorded (``runs[label]`` holds its environment; runs before session 13
-    recorded only their date: "not recorded")."""
+    """The GPU a run recorded ("not recorded" where its environment holds only a date, or nothing)."""
     gpu = env.get("gpu") if isinstance(env, dict) else None
     return gpu.replace("NVIDIA ", "") if gpu else "not recorded"
 
@@ -137,7 +164,7 @@ def _throughput_svg(records: list[dict]) -> str:
         out.append(f'<text x="{bx}" y="{H - pad + 14}" text-anchor="middle">{b}</text>')
     for r, x, y in zip(records, xs, ys):
         cx, cy = px(x, y)
-        color = "#c0392b" if r["policy"] == "transformers-static" else "#2471a3"
+        color = "#c0392b" if r["policy"] == BASELINE else "#2471a3"
         out.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="{color}"/>')
         out.append(f'<text x="{cx + 5:.1f}" y="{cy - 3:.1f}" fill="{color}">{r["policy"]} ({r["scenario"]})</text>')
     out.append("</svg>")
@@ -334,7 +361,9 @@ def render() -> dict[Path, str]:
 
 
 def main(argv=None) -> int:
-    check = "--check" in (sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page or its plot differ from the JSON")
+    check = ap.parse_args(argv).check
     stale = []
     for path, text in render().items():
         if check:

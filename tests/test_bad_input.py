@@ -19,7 +19,7 @@ import transformers
 from packaging.version import Version
 
 from conftest import greedy, left_padded, tiny_model
-from kvcompose import Policy, registry
+from kvcompose import Policy, presets, registry
 from kvcompose.cli import main
 from kvcompose.hf import CacheReuseError, UnsupportedModelError
 from kvcompose.registry import ComponentSpecError, UnknownComponentError
@@ -27,8 +27,7 @@ from kvcompose.registry import ComponentSpecError, UnknownComponentError
 DOC = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 SECTION = "## Bad input: every check and its message"
 
-PRESETS = ("fp8, fullkv, h2o, kivi2, kivi4, nvfp4, reasoncache, reasoncache-random, rkv, rpc, snapkv, streamingllm, "
-           "thinkv, thinkv-tbe, thinkv-tbq")
+PRESETS = ", ".join(presets())  # every preset, as the unknown-preset message lists them
 BUDGET_RKV = ("Policy 'rkv': budget={b} is smaller than this policy needs (9: 0 sinks + 8 protected recent "
               "tokens + 1 for trigger 'buffer'); use budget >= 9")
 NAN = ("layer 1: the model produced NaN/inf keys or values; the cache does not store them. Typical causes: fp16 "

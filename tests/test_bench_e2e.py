@@ -1,6 +1,7 @@
-"""The end-to-end benchmark's bookkeeping (merging records into its JSON), on CPU. Scenario c's
+"""The end-to-end benchmark's bookkeeping (adding its run to the JSON history), on CPU. Scenario c's
 batch search is :mod:`kvcompose.speed`'s (tests/test_static_decode.py)."""
 
+import argparse
 import json
 import os
 import sys
@@ -21,21 +22,32 @@ def bench(monkeypatch):
     return bench_e2e_gpu
 
 
-def test_records_replace_their_policy_and_scenario_and_keep_referenced_baselines(bench, tmp_path):
-    path = tmp_path / "e2e.json"
-    old = [{"policy": "transformers-static", "scenario": "b", "run": "b4"},
-           {"policy": "rkv", "scenario": "b", "run": "b4"},
-           {"policy": "transformers-static", "scenario": "b", "run": "b5"},
-           {"policy": "snapkv", "scenario": "b", "run": "b5"},
-           {"policy": "rkv", "scenario": "a", "run": "a2"}]
-    path.write_text(json.dumps({"environment": {"runs": {"b4": "x"}}, "notes": "kept", "records": old}))
-    new = [{"policy": "transformers-static", "scenario": "b"}, {"policy": "rkv", "scenario": "b"}]
-    bench.merge_into(path, new, "b7")
-    data = json.loads(path.read_text())
-    got = {(r["policy"], r["scenario"], r["run"]) for r in data["records"]}
-    # b4's baseline goes with its last record (rkv, now b7); b5's stays for snapkv
-    assert got == {("transformers-static", "b", "b5"), ("snapkv", "b", "b5"), ("rkv", "a", "a2"),
-                   ("transformers-static", "b", "b7"), ("rkv", "b", "b7")}
-    assert data["notes"] == "kept" and set(data["environment"]["runs"]) == {"b4", "b7"}
-    assert data["environment"]["runs"]["b4"] == "x" and "allocator" in data["environment"]["runs"]["b7"]
-    assert all("date" in r for r in data["records"] if r["run"] == "b7")
+def test_a_run_is_added_to_the_history_and_earlier_runs_stay_as_they_were(bench, tmp_path):
+    path = tmp_path / "e2e_gpu.json"
+    old = {"environment": {"runs": {"b4": "2026-01-01"}}, "notes": "kept",
+           "records": [{"policy": "transformers-static", "scenario": "b", "run": "b4"},
+                       {"policy": "rkv", "scenario": "b", "run": "b4"}]}
+    path.write_text(json.dumps(old))
+    args = argparse.Namespace(run="b7", smoke=False)
+    log = bench.open_log(str(path))
+    rows = [{"policy": "transformers-static", "scenario": "b"}]
+    bench.save(log, rows, args)
+    rows.append({"policy": "rkv", "scenario": "b"})
+    bench.save(log, rows, args)  # saved after every record: the run's own entry grows
+
+    runs = json.loads(path.read_text())["runs"]
+    assert runs[0] == old and len(runs) == 2
+    new = runs[1]
+    assert new["run"] == "b7" and [r["policy"] for r in new["records"]] == ["transformers-static", "rkv"]
+    assert all(r["run"] == "b7" and r["date"] == new["environment"]["date"] for r in new["records"])
+    assert {"allocator", "gpu", "versions", "git_commit", "git_dirty"} <= set(new["environment"])
+
+    bench.save(bench.open_log(str(path)), [{"policy": "fp8", "scenario": "a"}], argparse.Namespace(run=None, smoke=False))
+    later = json.loads(path.read_text())["runs"]
+    assert later[:2] == runs and later[2]["run"] == "a"  # unlabelled: the first scenario
+
+
+def test_without_out_nothing_is_written(bench, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bench.save(bench.open_log(None), [{"policy": "fullkv", "scenario": "a"}], argparse.Namespace(run=None, smoke=False))
+    assert list(tmp_path.iterdir()) == []

@@ -238,7 +238,7 @@ def test_accumulating_attention_in_query_chunks_equals_one_pass(llama, monkeypat
     fit whole): the output and the attention mass equal one pass's, and so do the tokens."""
     from types import SimpleNamespace
 
-    from kvcompose.evictors.attention import H2OEvictor
+    from kvcompose.evictors.h2o import H2OEvictor
     from kvcompose.runtime import attention as hf_cache
 
     g = torch.Generator().manual_seed(0)

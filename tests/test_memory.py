@@ -28,8 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
-PRESETS = ["fullkv", "streamingllm", "rkv", "snapkv", "rpc", "h2o", "kivi2", "kivi4", "nvfp4", "fp8", "thinkv",
-           "thinkv-tbq", "thinkv-tbe"]
+from kvcompose import Policy, presets
+
+#: Every preset that runs on the model alone (those that read the generated text need a tokenizer).
+PRESETS = [p for p in presets() if Policy.from_preset(p).needs_text is None]
 NOT_COMPRESSING = {"fullkv"}
 RUNS = {"short": 8, "long": 300}
 BUDGET = 64

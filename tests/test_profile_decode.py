@@ -17,7 +17,9 @@ def test_profile_decode_smoke_splits_a_step_by_operator(monkeypatch, tmp_path, c
     out = tmp_path / "profile.json"
     assert profile_decode.main(["--smoke", "--policies", "fullkv", "--batch", "2", "--new-tokens", "4",
                                 "--top", "5", "--out", str(out)]) == 0
-    record = json.loads(out.read_text())["records"][0]
+    run = json.loads(out.read_text())["runs"][-1]
+    assert run["smoke"] and run["environment"]["versions"]["torch"]
+    record = run["records"][0]
     assert record["policy"] == "fullkv" and record["steps"] == 4 and record["ms_per_step"] > 0
     assert 0 < len(record["kernels"]) <= 5 and all(k["us_per_step"] > 0 for k in record["kernels"])
     assert "fullkv, batch 2" in capsys.readouterr().out

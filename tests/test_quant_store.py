@@ -5,7 +5,7 @@ import torch
 
 from conftest import greedy, left_padded, tiny_model
 from kvcompose import Policy
-from kvcompose.paging import GatherPager
+from kvcompose.pagers import GatherPager
 from kvcompose.quantizers import NVFP4Quantizer
 
 H, D = 2, 32

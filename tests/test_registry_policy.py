@@ -8,7 +8,7 @@ import pytest
 import kvcompose
 from kvcompose import Policy, registry
 from kvcompose.evictors import WindowEvictor
-from kvcompose.policies import PRESETS
+from kvcompose.policies import presets
 from kvcompose.triggers import OverBudget
 
 
@@ -51,7 +51,7 @@ def test_entry_point_plugins_are_loaded(monkeypatch):
         registry._REGISTRY["evictor"].pop("plugin_test", None)
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", presets())
 def test_every_preset_round_trips(name):
     policy = Policy.from_preset(name)
     config = policy.to_config()

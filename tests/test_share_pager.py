@@ -12,7 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvcompose import Policy
 from kvcompose.ops.paged_attention import paged_decode_attention
-from kvcompose.paging import DenseCodec, LayerStore, SharePager
+from kvcompose.pagers import SharePager
+from kvcompose.paging import DenseCodec, LayerStore
 
 H, D = 2, 4
 

@@ -6,9 +6,10 @@ import torch
 
 from conftest import left_padded, tiny_model
 from kvcompose import Policy
-from kvcompose.sharing import CollaborativeFilter, RandomFilter, Step
-from kvcompose.sharing.filter import RowHistory, percentile
-from kvcompose.sharing.lexical import make_step
+from kvcompose.filters import CollaborativeFilter, RandomFilter, Step
+from kvcompose.filters.base import RowHistory
+from kvcompose.filters.collaborative import percentile
+from kvcompose.filters.lexical import make_step
 
 STEP_END = 5
 

@@ -8,8 +8,8 @@ from functools import lru_cache
 
 import pytest
 
-from kvcompose.sharing.lexical import StepText, dynamic_threshold, lexical_candidates, make_step, similarity
-from kvcompose.sharing.structure import (
+from kvcompose.filters.lexical import StepText, dynamic_threshold, lexical_candidates, make_step, similarity
+from kvcompose.filters.structure import (
     MAX_FORMULA_STEP_CHARS,
     MAX_SPAN_CHARS,
     Tree,

@@ -371,7 +371,8 @@ def test_bench_command_names_an_unknown_preset_before_loading(capsys):
 def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pager):
     """Both pagers in static mode: the same kept tokens (positions, keys, values, classes) as the
     eager pager after the same eviction, with fixed shapes and no host synchronization."""
-    from kvcompose.paging import ContinuousThinkingPager, DenseCodec, GatherPager, LayerStore
+    from kvcompose.pagers import ContinuousThinkingPager, GatherPager
+    from kvcompose.paging import DenseCodec, LayerStore
 
     def filled():
         codecs = {"R": DenseCodec(torch.float32), "T": DenseCodec(torch.float32)}

@@ -6,7 +6,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvcompose.paging import BlockPool, ContinuousThinkingPager, DenseCodec, GatherPager, LayerStore
+from kvcompose.pagers import ContinuousThinkingPager, GatherPager
+from kvcompose.paging import BlockPool, DenseCodec, LayerStore
 
 H, D = 2, 4
 

@@ -1,11 +1,12 @@
 """Keyword classifier: label the recent segment by the cue phrases it contains.
 
-This is the approach ThinKV argues against (keywords miss lexical variants), kept as
-a baseline and as a model-free classifier for tests, demos and models without a
-sparsity calibration. The default table is the paper's illustrative keyword list
-(Table 6). Two of its execution entries describe content rather than words
-("Mathematical equations", "Code syntax"); they are represented here by the surface
-markers ``=`` and a code fence.
+This is the approach ThinKV ("ThinKV: Thought-Adaptive KV Cache Compression for
+Efficient Reasoning Models", Ramachandran et al., arXiv:2510.01290) argues against
+(keywords miss lexical variants), kept as a baseline and as a model-free classifier
+for tests, demos and models without a sparsity calibration. The default table is the
+paper's illustrative keyword list (Table 6). Two of its execution entries describe
+content rather than words ("Mathematical equations", "Code syntax"); they are
+represented here by the surface markers ``=`` and a code fence.
 
 Matching rule, per text:
 

@@ -1,12 +1,14 @@
 """ThinKV's thought classifier: bin the mean attention sparsity of a few calibrated layers.
 
-ThinKV (§3.1.2, Observation 1) finds that, in suitable layers, the attention
-sparsity of a reasoning model's decode steps clusters into one mode per thought type:
-execution attends broadly (lowest sparsity), reasoning less so, transitions are the
-sparsest. An offline calibration (:mod:`kvcompose.calibration`) places thresholds at
-the density minima between those modes and picks the layers ``L*`` where the modes
-are clear. At each refresh step the classifier averages the sparsity of the current
-query over ``L*`` and looks up its bin:
+ThinKV, "ThinKV: Thought-Adaptive KV Cache Compression for Efficient Reasoning Models"
+(Ramachandran et al., arXiv:2510.01290), §3.1.2, Observation 1, finds that, in
+suitable layers, the attention sparsity of a reasoning model's decode steps clusters
+into one mode per thought type: execution attends broadly (lowest sparsity), reasoning
+less so, transitions are the sparsest. An offline calibration
+(:mod:`kvcompose.calibration`) places thresholds at the density minima between those
+modes and picks the layers ``L*`` where the modes are clear. At each refresh step the
+classifier averages the sparsity of the current query over ``L*`` and looks up its
+bin:
 
     mean < thresholds[0]                 -> types[0]   ("E" with three types)
     thresholds[i-1] <= mean < thresholds[i] -> types[i]   ("R")

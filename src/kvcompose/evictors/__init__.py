@@ -1,8 +1,13 @@
-"""Evictors: decide which tokens of a (sequence, layer) survive compression."""
+"""Evictors: decide which tokens of a (sequence, layer) survive compression.
 
-from .attention import AttentionEvictor, H2OEvictor
+The contract is in :mod:`kvcompose.evictors.base`; each registered evictor has its own
+module, named after it.
+"""
+
+from .attention import AttentionEvictor
 from .base import EvictionContext, Evictor, keep_top
-from .redundancy import RKVEvictor
+from .h2o import H2OEvictor
+from .rkv import RKVEvictor
 from .tbe import ThoughtEvictor
 from .window import WindowEvictor
 

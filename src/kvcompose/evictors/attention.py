@@ -26,8 +26,10 @@ before averaging; we reduce the window first and then pool, as R-KV's and SnapKV
 code and the design's preset table do. Empty slots are removed before pooling, so
 a row scores its live tokens exactly as if it were alone in the batch.
 
-:class:`H2OEvictor` keeps the attention every token has received since it arrived
-(heavy hitters) in a slot channel the store carries along with the token.
+Papers: "SnapKV: LLM Knows What You are Looking for Before Generation" (Li et al.,
+arXiv:2404.14469); "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models"
+(Cai et al., arXiv:2505.24133); "Reasoning Path Compression: Compressing Generation
+Trajectories for Efficient LLM Reasoning" (Song et al., arXiv:2505.13866).
 """
 
 from __future__ import annotations
@@ -38,29 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import register
+from ..validation import check_choice, check_int
 from .base import EvictionContext, Evictor
 
 GQA_MODES = ("max", "mean")
 WINDOW_REDUCTIONS = ("mean", "sum")
 POOLS = ("max", "avg", "none")
 HEAD_REDUCTIONS = ("mean", "max")
-
-
-def check_int(owner: str, name: str, value, low: int) -> None:
-    """Raise a ValueError naming the field unless ``value`` is an int >= ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner}: {name} must be an int >= {low}, got {value!r}")
-
-
-def check_range(owner: str, name: str, value, low: float, high: float) -> None:
-    """Raise a ValueError naming the field unless ``value`` is a number in ``[low, high]``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"{owner}: {name} must be a number in [{low:g}, {high:g}], got {value!r}")
-
-
-def check_choice(owner: str, name: str, value, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{owner}: {name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
 @register("evictor", "attention")
@@ -79,14 +65,14 @@ class AttentionEvictor(Evictor):
 
     def __post_init__(self) -> None:
         owner = f"{self.name} evictor"
-        check_int(owner, "window", self.window, 1)
-        check_choice(owner, "gqa", self.gqa, GQA_MODES)
-        check_choice(owner, "window_reduce", self.window_reduce, WINDOW_REDUCTIONS)
-        check_choice(owner, "pool", self.pool, POOLS)
-        check_int(owner, "pool_width", self.pool_width, 1)
+        check_int(f"{owner}: window", self.window, 1)
+        check_choice(f"{owner}: gqa", self.gqa, GQA_MODES)
+        check_choice(f"{owner}: window_reduce", self.window_reduce, WINDOW_REDUCTIONS)
+        check_choice(f"{owner}: pool", self.pool, POOLS)
+        check_int(f"{owner}: pool_width", self.pool_width, 1)
         if self.pool_width % 2 == 0:
             raise ValueError(f"{owner}: pool_width must be odd (centered window), got {self.pool_width}")
-        check_choice(owner, "head_reduce", self.head_reduce, HEAD_REDUCTIONS)
+        check_choice(f"{owner}: head_reduce", self.head_reduce, HEAD_REDUCTIONS)
         self.query_window = self.window
 
     def scores(self, ctx: EvictionContext) -> torch.Tensor:
@@ -100,40 +86,6 @@ class AttentionEvictor(Evictor):
             used = recent(ctx.query_valid, self.window).sum(dim=1).clamp(min=1)
             received = received / used[:, None, None]
         return pool_tokens(received, ctx.positions, ctx.valid, self.pool, self.pool_width)
-
-
-@register("evictor", "h2o")
-@dataclass
-class H2OEvictor(Evictor):
-    """Heavy hitters (H2O): keep the tokens that have received the most attention so far.
-
-    Each step's probabilities are summed over the step's queries and averaged over
-    query heads; the store adds that to the token's ``acc`` slot channel, which
-    starts at zero when the token arrives and moves with it.
-    """
-
-    needs_probs = True
-    slot_channels = ("acc",)
-    mass_channel = "acc"  # observe() adds exactly the step's head-averaged attention
-    reads_keys = False
-    score_source = "acc"
-
-    def observe(self, attn_probs: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-        if attn_probs.dim() != 4 or attn_probs.shape[0] != valid.shape[0] or attn_probs.shape[-1] != valid.shape[1]:
-            raise ValueError(
-                f"h2o: attn_probs must be [B, Hq, Lq, L] matching valid {tuple(valid.shape)}, "
-                f"got {tuple(attn_probs.shape)}"
-            )
-        received = attn_probs.float().sum(dim=2).mean(dim=1)
-        return {"acc": torch.where(valid, received, torch.zeros_like(received))}
-
-    def scores(self, ctx: EvictionContext) -> torch.Tensor:
-        acc = ctx.state.get("acc")
-        if acc is None:
-            raise ValueError("h2o: ctx.state has no 'acc' channel; the store must keep the evictor's slot_channels")
-        if acc.shape != ctx.valid.shape:
-            raise ValueError(f"h2o: state['acc'] has shape {tuple(acc.shape)}, expected {tuple(ctx.valid.shape)}")
-        return torch.where(ctx.valid, acc.float(), torch.zeros_like(acc, dtype=torch.float32))
 
 
 # ---------------------------------------------------------------- shared pieces

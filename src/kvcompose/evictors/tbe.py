@@ -1,5 +1,8 @@
 """TBE, ThinKV's thought-based eviction: segments step down a retention schedule.
 
+From "ThinKV: Thought-Adaptive KV Cache Compression for Efficient Reasoning Models"
+(Ramachandran et al., arXiv:2510.01290), §3.3.
+
 Generated tokens form segments of ``ctx.segment`` tokens (ThinKV's τ = 128), each of
 one thought class. Called when a segment completes (``segment_end`` trigger), this
 evictor decides a target size for every completed segment and then keeps, inside

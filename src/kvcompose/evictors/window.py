@@ -1,4 +1,9 @@
-"""Recency evictor: keep the most recent tokens (StreamingLLM's window)."""
+"""Recency evictor: keep the most recent tokens (StreamingLLM's window).
+
+From "Efficient Streaming Language Models with Attention Sinks" (Xiao et al.,
+arXiv:2309.17453): with the first tokens protected as attention sinks, a window of the
+most recent tokens keeps a model stable over arbitrarily long generations.
+"""
 
 from __future__ import annotations
 

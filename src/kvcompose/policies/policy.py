@@ -18,7 +18,8 @@ import torch
 
 from .. import registry
 from ..evictors import Evictor
-from ..paging import DenseCodec, GatherPager, LayerStore, Pager
+from ..pagers import GatherPager, Pager
+from ..paging import DenseCodec, LayerStore
 from ..triggers import Trigger, TriggerInput
 from .integration import integration
 from .overrides import apply_overrides
@@ -65,8 +66,7 @@ class Policy:
     # ------------------------------------------------------------ validation
     def _validate(self) -> None:
         def positive_int(fname: str, value: Any, minimum: int) -> None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"Policy.{fname} must be an integer >= {minimum}, got {value!r}")
+            check_int(f"Policy.{fname}", value, minimum, noun="an integer")
 
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Policy.name must be a non-empty string, got {self.name!r}")

@@ -1,5 +1,8 @@
 """FP8 quantizer: E4M3 codes with one FP32 scale per KV head (ThinKV's 8-bit format).
 
+The format is the E4M3 of "FP8 Formats for Deep Learning" (Micikevicius et al.,
+arXiv:2209.05433); ThinKV, "ThinKV: Thought-Adaptive KV Cache Compression for Efficient
+Reasoning Models" (Ramachandran et al., arXiv:2510.01290), stores reasoning tokens in it.
 See :mod:`kvcompose.ops.quant_fp8` for the exact arithmetic. 8 bits per value; the
 per-head scale (32 bits per head) is amortized over every token that shares it and
 not counted in :attr:`FP8Quantizer.bits_per_value`.

@@ -1,6 +1,8 @@
 """INT-k quantizer (k = 2, 4, 8): asymmetric, a scale and a minimum per group.
 
-See :mod:`kvcompose.ops.quant_int` for the arithmetic. Layouts:
+The ``kivi`` layout follows "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
+Cache" (Liu et al., arXiv:2402.02750). See :mod:`kvcompose.ops.quant_int` for the
+arithmetic. Layouts:
 
 - ``per_token``: keys and values alike, groups of ``group_size`` channels of one
   token (None: the whole head dim). Slot-local.

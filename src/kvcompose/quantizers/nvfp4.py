@@ -1,5 +1,9 @@
 """NVFP4 quantizer: E2M1 codes, E4M3 scale per 16 channels, FP32 scale per KV head.
 
+NVFP4 is NVIDIA's 4-bit format (described in NVIDIA's technical blog "Introducing NVFP4
+for Efficient and Accurate Low-Precision Inference", 2025; no paper of its own). It is
+the 4-bit level of ThinKV, "ThinKV: Thought-Adaptive KV Cache Compression for Efficient
+Reasoning Models" (Ramachandran et al., arXiv:2510.01290), appendix D.3.
 See :mod:`kvcompose.ops.quant_nvfp4` for the exact recipe. Bits per value:
 ``4 + 8 / 16 = 4.5`` (code plus its share of the block scale); the per-head
 second-level scale is amortized over every token that shares it and not counted.

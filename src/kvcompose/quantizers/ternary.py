@@ -1,6 +1,8 @@
 """Ternary quantizer: {-1, 0, +1} times a least-squares E4M3 scale per 16 channels.
 
-See :mod:`kvcompose.ops.quant_ternary` for the scale rule. Bits per value:
+The 2-bit level of ThinKV, "ThinKV: Thought-Adaptive KV Cache Compression for Efficient
+Reasoning Models" (Ramachandran et al., arXiv:2510.01290), appendix D.3, used for
+transition thoughts. See :mod:`kvcompose.ops.quant_ternary` for the scale rule. Bits per value:
 ``2 + 8 / 16 = 2.5``; the per-head scale that keeps block scales in E4M3's range is
 amortized over every token that shares it and not counted.
 """

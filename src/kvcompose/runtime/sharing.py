@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..sharing.filter import Pair, RowHistory, Step
-from ..sharing.lexical import make_step
+from ..filters.base import Pair, RowHistory, Step
+from ..filters.lexical import make_step
 from .owner import OwningCache
 
 #: ReasonCache's measured filter overhead per reasoning step (§V-C), the budget we hold ours to.

@@ -1,13 +1,15 @@
 """The ``share`` pager: several block-table entries of a sequence on one physical block.
 
-ReasonCache's zero-copy sharing (§IV-B). A block is *sealed* once all its slots are
-written; from then on nothing writes into it. :meth:`SharePager.share` points a row's
-sealed logical block at another sealed physical block of the same row and layer: the
-target's reference count goes up, the replaced block's goes down, and a block returns to
-its pool only when no entry references it any more. Memory accounting counts a physical
-block once (:meth:`Region.blocks_written`), while attention and evictors read every
-logical entry, so the tokens of a shared entry are the target's keys and values (with
-the target's positions: those keys carry the target's rotary positions).
+ReasonCache's zero-copy sharing, from "ReasonCache: Accelerating Large Reasoning Model
+Serving through KV Cache Sharing" (Chen et al., arXiv:2507.21433), §IV-B. A block is
+*sealed* once all its slots are written; from then on nothing writes into it.
+:meth:`SharePager.share` points a row's sealed logical block at another sealed physical
+block of the same row and layer: the target's reference count goes up, the replaced
+block's goes down, and a block returns to its pool only when no entry references it any
+more. Memory accounting counts a physical block once (:meth:`Region.blocks_written`),
+while attention and evictors read every logical entry, so the tokens of a shared entry
+are the target's keys and values (with the target's positions: those keys carry the
+target's rotary positions).
 
 Eviction composes with sharing by working on logical entries: a full block whose tokens
 are all kept stays where it is (shared or not, nothing is copied); the kept tokens of
@@ -23,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..paging.region import Region
+from ..paging.store import LayerStore
 from ..registry import register
 from .gather import GatherPager
-from .region import Region
-from .store import LayerStore
 
 
 @register("pager", "share")

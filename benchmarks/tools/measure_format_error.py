@@ -26,7 +26,7 @@ over layers; and the relative error of the attention output of the last query,
 ``softmax(q K^T * scaling) V`` with dequantized K and V against exact K and V
 (also with only K or only V quantized), same statistics.
 
-    python benchmarks/measure_format_error.py --out benchmarks/results/format_error_smollm2.json
+    python benchmarks/tools/measure_format_error.py     # adds a run to benchmarks/results/format_error_smollm2.json
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, format_table, write_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+from harness.results import append_run, result_path  # noqa: E402
+from harness.table import format_table  # noqa: E402
 
 from kvcompose import Policy, models, registry  # noqa: E402
 from kvcompose.eval.prompts import load_prompts  # noqa: E402
@@ -167,7 +168,7 @@ def stats(per_layer):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/format_error_smollm2.json")
+    ap.add_argument("--out", default=str(result_path("format_error_smollm2")), help="history file the run is added to")
     ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--prompts", default=",".join(PROMPT_IDS), help="ids of packaged reasoning prompts")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared machine)")
@@ -245,10 +246,9 @@ def main(argv=None) -> int:
         "prompts": runs,
         "new_tokens": args.new_tokens,
         "results": results,
-        "environment": environment(),
         "seconds": time.perf_counter() - start,
     }
-    path = write_json(args.out, data)
+    path = append_run(args.out, data)
 
     headers = ["format", "bits", "K rmse", "K min..max", "V rmse", "V min..max", "attn", "attn max",
                "K call", "V call", "clip K", "clip V"]

@@ -5,18 +5,23 @@ register cap, merge), times formats and shapes of :mod:`bench_attention_gpu`, an
 one line per variant with each cell's time and the compiled launch's registers per thread,
 shared memory and programs per SM (the split plan follows the last). Used to pick the defaults; results go to stdout only.
 
-    python benchmarks/sweep_attention_gpu.py --variants 32,1,3,0 32,1,2,96 --formats nvfp4 ternary
+    python benchmarks/tools/sweep_attention_gpu.py --variants 32,1,3,0 32,1,2,96 --formats nvfp4 ternary
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-import bench_attention_gpu as bench
-from kvcompose.ops import paged_attention as pa
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness and the attention benchmark
+
+import bench_attention_gpu as bench  # noqa: E402
+from harness.timing import graph_ms  # noqa: E402
+
+from kvcompose.ops import paged_attention as pa  # noqa: E402
 
 DEFAULT_VARIANTS = ["32,1,3,0", "32,1,2,0", "32,1,4,0", "32,1,3,96", "32,1,2,80", "64,2,3,0", "16,1,3,0"]
 
@@ -56,7 +61,7 @@ def main(argv=None) -> int:
         for (f, b, l), sources in data.items():
             q = queries[(b, l)]
             try:
-                ms = bench.graph_ms(lambda: pa.paged_decode_attention(q, sources, 0.088), args.repeats)
+                ms = graph_ms(lambda: pa.paged_decode_attention(q, sources, 0.088), args.repeats)
                 cells.append(f"{f}@{b}x{l}={ms * 1e3:.1f}us[{compiled_facts(q, sources)}]")
             except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is reported
                 cells.append(f"{f}@{b}x{l}=ERR({type(e).__name__}: {str(e)[:60]})")

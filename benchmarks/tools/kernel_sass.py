@@ -17,8 +17,8 @@ Hopper target and read the machine code. Two uses:
   of them on the ALU pipe; a kernel needs about ``max(total, 2 * alu)`` issue cycles.
   Shared memory > 0 means a layout conversion (values exchanged between threads).
 
-    python benchmarks/kernel_sass.py            # every kernel, per-head and per-token scales
-    python benchmarks/kernel_sass.py --top 12   # also the most frequent instruction kinds
+    python benchmarks/tools/kernel_sass.py            # every kernel, per-head and per-token scales
+    python benchmarks/tools/kernel_sass.py --top 12   # also the most frequent instruction kinds
 
 Written against Triton 3.9's ``ASTSource``/``triton.compile``; other versions may
 need small changes. Needs ``TRITON_INTERPRET`` unset (it is cleared here).

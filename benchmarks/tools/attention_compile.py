@@ -7,6 +7,7 @@ groups 1 and 8, with the ``ptxas`` of the Triton wheel. Run without ``TRITON_INT
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, blo
                      D=head_dim, SCORES=scores, PREC="tf32", OUT=1, NATIVE=True)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     count = 0
     for kfmt, vfmt, codes, scale, bits in PAIRS:
         # the launch shape (attention_launch.TILE_SHAPE) and two warps on 64-token tiles (the sweep's

@@ -13,17 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..paging.region import Region
+from ..paging.store import LayerStore, StoreView
 from ..registry import register
-from .region import Region
-from .store import LayerStore, StoreView
-
-
-class Pager:
-    """Base class: a pager owns what eviction means for memory."""
-
-    def compact(self, store: LayerStore, view: StoreView, keep: torch.Tensor) -> None:  # pragma: no cover
-        raise NotImplementedError
-
+from .base import Pager
 
 @register("pager", "gather")
 @dataclass

@@ -5,19 +5,24 @@ use it to split time, not to measure throughput) and prints, per policy, the sec
 eviction step spent in the policy's compression (trigger + view + scoring + pager) and in
 the rest of the eager step, and the time of one dense view of one layer.
 
-    python benchmarks/profile_eviction_step.py [--policies rkv,thinkv] [--batch 16]
+    python benchmarks/tools/profile_eviction_step.py [--policies rkv,thinkv] [--batch 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from common import llama_model
-from kvcompose.hf.static import fast_generate
-from kvcompose.speed import random_prompts, warm_up_policy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+
+from harness.llama import llama_model  # noqa: E402
+
+from kvcompose.hf.static import fast_generate  # noqa: E402
+from kvcompose.speed import random_prompts, warm_up_policy  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,8 @@
 """R-KV: keep tokens that are important and not redundant.
 
-Reasoning traces repeat themselves, and repeated text draws attention to itself, so
-attention alone keeps many copies of the same thought. R-KV (Cai et al., §3.3-3.4)
+From "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models" (Cai et al.,
+arXiv:2505.24133). Reasoning traces repeat themselves, and repeated text draws attention
+to itself, so attention alone keeps many copies of the same thought. R-KV (§3.3-3.4)
 subtracts a redundancy score computed from key similarity. Per (sequence, KV head
 ``h``), over the ``n`` live tokens of the layer:
 
@@ -40,7 +41,8 @@ import torch
 
 from ..ops.redundancy import redundancy_column_sums
 from ..registry import register
-from .attention import AttentionEvictor, check_int, check_range, reduce_heads
+from ..validation import check_int, check_range
+from .attention import AttentionEvictor, reduce_heads
 from .base import EvictionContext
 
 
@@ -56,9 +58,9 @@ class RKVEvictor(AttentionEvictor):
     def __post_init__(self) -> None:
         super().__post_init__()
         owner = f"{self.name} evictor"
-        check_range(owner, "lam", self.lam, 0.0, 1.0)
-        check_range(owner, "threshold", self.threshold, -1.0, 1.0)  # a cosine similarity
-        check_int(owner, "keep_recent_similar", self.keep_recent_similar, 0)
+        check_range(f"{owner}: lam", self.lam, 0.0, 1.0)
+        check_range(f"{owner}: threshold", self.threshold, -1.0, 1.0)  # a cosine similarity
+        check_int(f"{owner}: keep_recent_similar", self.keep_recent_similar, 0)
 
     def scores(self, ctx: EvictionContext) -> torch.Tensor:
         combined = self.lam * self.head_importance(ctx) - (1.0 - self.lam) * self.head_redundancy(ctx)

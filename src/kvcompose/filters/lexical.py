@@ -1,5 +1,8 @@
 """Lexical pre-filter of ReasonCache's collaborative filter (stage 1, first phase).
 
+From "ReasonCache: Accelerating Large Reasoning Model Serving through KV Cache Sharing"
+(Chen et al., arXiv:2507.21433), §IV-A.
+
 When a reasoning step ends, it is compared with every earlier step of the same
 sequence to find the few that are worth a closer (structural, then KV-distance)
 look. The comparison must be cheap because it runs for each step against hundreds

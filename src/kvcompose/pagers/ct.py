@@ -1,13 +1,15 @@
 """The ``ct`` (Continuous Thinking) pager: evict in place, refill holes, never compact.
 
-ThinKV's pager (§4.2). Eviction only clears the live bit of the evicted slots (the
-block's eviction mask); nothing moves and no block is freed. The next tokens of the
-same class, when their group leaves the recent buffer, are written into those holes
-before the row takes a new block, so a block always holds tokens of one class (one
-region per class) and the gather copy of :class:`~kvcompose.paging.GatherPager` never
-happens. Attention does not care about slot order, so the tokens of a block need not
-be in position order; every slot carries its absolute position. A block whose tokens
-were all evicted goes back to the pool, where any class can take it.
+ThinKV's pager, from "ThinKV: Thought-Adaptive KV Cache Compression for Efficient
+Reasoning Models" (Ramachandran et al., arXiv:2510.01290), §4.2. Eviction only clears
+the live bit of the evicted slots (the block's eviction mask); nothing moves and no
+block is freed. The next tokens of the same class, when their group leaves the recent
+buffer, are written into those holes before the row takes a new block, so a block always
+holds tokens of one class (one region per class) and the gather copy of
+:class:`~kvcompose.pagers.GatherPager` never happens. Attention does not care about slot
+order, so the tokens of a block need not be in position order; every slot carries its
+absolute position. A block whose tokens were all evicted goes back to the pool, where
+any class can take it.
 
 Refilling only within a class lets holes pile up: when the mix of classes drifts, one
 class's blocks sit half empty while another takes new ones, and the cache grows for
@@ -25,10 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..paging.pool import empty_value
+from ..paging.store import LayerStore, StoreView
 from ..registry import register
-from .gather import Pager
-from .pool import empty_value
-from .store import LayerStore, StoreView
+from ..validation import is_int_at_least
+from .base import Pager
 
 
 @register("pager", "ct")
@@ -44,7 +47,7 @@ class ContinuousThinkingPager(Pager):
 
     def __post_init__(self) -> None:
         m = self.max_hole_blocks
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        if m is not None and not is_int_at_least(m, 1):
             raise ValueError(f"ct pager: max_hole_blocks={m!r}; accepted: an integer >= 1, or None to never move tokens")
 
     def compact(self, store: LayerStore, view: StoreView, keep: torch.Tensor) -> None:

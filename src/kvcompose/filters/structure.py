@@ -1,5 +1,8 @@
 """Structural equivalence check of ReasonCache's collaborative filter (stage 1, second phase).
 
+From "ReasonCache: Accelerating Large Reasoning Model Serving through KV Cache Sharing"
+(Chen et al., arXiv:2507.21433), §IV-A.
+
 Two steps can share almost every token and still mean different things when
 they are formal: ``2x+5=10`` and ``2x-5=10`` differ by one character. For steps
 with formal content the filter therefore compares syntax trees, and only lets a

@@ -1,0 +1,67 @@
+"""The environment record stored with every run: taken by the script itself, never edited by hand."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("torch", "triton", "transformers", "kvcompose")
+
+
+def environment(**extra) -> dict:
+    """Where and with what a benchmark ran: date, host, hardware, versions, git commit and whether
+    the tree had local changes (``git_commit`` is None outside a git checkout). ``extra`` fields
+    (the allocator settings, ``TRITON_INTERPRET``) are added as given."""
+    cuda = torch.cuda.is_available()
+    commit = _git("rev-parse", "HEAD")
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "cuda": torch.version.cuda if cuda else None,
+        "versions": {p: _version(p) for p in PACKAGES},
+        "git_commit": commit,
+        "git_dirty": bool(_git("status", "--porcelain")) if commit else None,
+        **extra,
+    }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        if package == "kvcompose":  # run from a source tree (PYTHONPATH=src) without installing
+            import kvcompose
+
+            return kvcompose.__version__
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

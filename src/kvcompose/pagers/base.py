@@ -1,0 +1,19 @@
+"""The pager contract: a pager owns what eviction means for memory.
+
+After an evictor has chosen the tokens a layer keeps, the pager applies that keep mask
+to the layer's paged store: it copies kept tokens into fresh blocks, marks evicted
+slots free in place, or maps blocks onto one another.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..paging.store import LayerStore, StoreView
+
+
+class Pager:
+    """Base class: :meth:`compact` applies one layer's keep mask to its store."""
+
+    def compact(self, store: LayerStore, view: StoreView, keep: torch.Tensor) -> None:  # pragma: no cover
+        raise NotImplementedError

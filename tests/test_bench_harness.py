@@ -1,0 +1,50 @@
+"""The benchmarks' result files are append-only histories: a run never rewrites or drops another."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def results(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    from harness import results
+
+    return results
+
+
+ENV = {"date": "2026-11-26T00:00:00+00:00", "gpu": "GPU", "git_commit": "abc", "git_dirty": False}
+
+
+def test_runs_are_appended_and_a_file_in_the_older_layout_stays_the_first_run(results, tmp_path):
+    path = tmp_path / "quant_gpu.json"
+    legacy = {"benchmark": "quant", "results": [1], "environment": {"gpu": "old"}}
+    path.write_text(json.dumps(legacy))
+    assert results.read_runs(path) == [legacy] and results.latest_run(path) == legacy
+
+    log = results.ResultLog(path, ENV)
+    log.save({"results": [2]})
+    log.save({"results": [2, 3]})  # the same run again: its own entry is replaced
+    results.append_run(path, {"results": [4], "smoke": True}, ENV)
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "quant_gpu"
+    assert [r["results"] for r in data["runs"]] == [[1], [2, 3], [4]]
+    assert data["runs"][0] == legacy and data["runs"][1]["environment"] == ENV
+    assert data["runs"][1]["run_id"] != data["runs"][2]["run_id"]
+    assert results.latest_run(path)["results"] == [2, 3]  # a --smoke check is not shown
+
+
+def test_a_missing_file_has_no_runs(results, tmp_path):
+    assert results.read_runs(tmp_path / "none.json") == [] and results.latest_run(tmp_path / "none.json") is None
+
+
+def test_the_environment_is_read_from_git_and_the_device(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    from harness.environment import environment
+
+    env = environment(allocator="x")
+    assert env["allocator"] == "x" and set(env["versions"]) == {"torch", "triton", "transformers", "kvcompose"}
+    assert env["git_commit"] is None or (len(env["git_commit"]) == 40 and isinstance(env["git_dirty"], bool))
