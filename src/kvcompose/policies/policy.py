@@ -21,6 +21,7 @@ from ..evictors import Evictor
 from ..pagers import GatherPager, Pager
 from ..paging import DenseCodec, LayerStore
 from ..triggers import Trigger, TriggerInput
+from ..validation import check_int
 from .integration import integration
 from .overrides import apply_overrides
 
