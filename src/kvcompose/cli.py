@@ -61,7 +61,9 @@ def _cmd_generate(args) -> int:
 
 def _loading(args, note: str | None = None) -> None:
     """The loading line on stderr, with the CPU thread count this run uses and why."""
-    how = note or f"{args.cpu_threads}; change with --threads or {threads.ENV}"
+    c = getattr(args, "cpu_threads", None)
+    how = note or f"on {c.threads} CPU thread{'s' if c.threads != 1 else ''}: {c.reason}; change with --threads or " \
+                  f"{threads.ENV}"
     print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ({how}) ...", file=sys.stderr)
 
 
