@@ -9,11 +9,12 @@ from kvcompose import threads
 
 @pytest.fixture
 def clean(monkeypatch):
-    """No explicit choice in the environment, torch at its startup count, a fresh automatic choice."""
+    """No explicit choice in the environment, torch at a startup count of 8, a fresh automatic choice."""
     monkeypatch.delenv(threads.ENV, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     previous = torch.get_num_threads()
-    monkeypatch.setattr(threads, "_STARTUP_THREADS", previous)
+    torch.set_num_threads(8)
+    monkeypatch.setattr(threads, "_STARTUP_THREADS", 8)
     threads.automatic.cache_clear()
     yield monkeypatch
     threads.automatic.cache_clear()
@@ -25,6 +26,7 @@ def clean(monkeypatch):
     (2, 2, 1.0, 1),   # one busy neighbour on two cores: one thread
     (2, 2, 5.0, 1),   # overloaded: never below one
     (4, 64, 32.0, 2),  # four of 64 cores, the machine half busy: half of ours
+    (16, 16, 0.0, 8),  # never more than torch's own default (physical cores)
 ])
 def test_automatic_count_is_the_usable_cores_less_the_busy_ones(clean, cores, cpus, load, expected):
     clean.setattr(threads.os, "sched_getaffinity", lambda _: set(range(cores)), raising=False)

@@ -12,8 +12,9 @@ slows down by an order of magnitude. An explicit choice always wins, in this ord
 
 Otherwise the count is the cores this process may run on (its CPU affinity) less the
 ones other processes keep busy (the 1-minute load average, scaled to those cores), at
-least one. That automatic choice is made once per process, so repeated calls do not
-react to the load they cause themselves.
+least one and at most torch's own default (which counts physical cores only). That
+automatic choice is made once per process, so repeated calls do not react to the load
+they cause themselves.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch
 
 ENV = "KVCOMPOSE_THREADS"
 
-#: torch's own thread count when kvcompose was imported: a different count later was set by the user.
+#: torch's own thread count when kvcompose was imported: a different count later was set by the
+#: user. It is also the most the automatic choice takes.
 _STARTUP_THREADS = torch.get_num_threads()
 
 
@@ -75,7 +77,7 @@ def automatic() -> ThreadChoice:
     """The count for this process when nobody chose one (decided once, at the first call)."""
     cores = usable_cores()
     busy = busy_cores(cores)
-    n = max(1, cores - int(busy + 0.5))
+    n = max(1, min(cores - int(busy + 0.5), _STARTUP_THREADS))
     return ThreadChoice(n, f"{cores} usable core{'s' if cores != 1 else ''}, load {busy:.1f}")
 
 
