@@ -157,7 +157,8 @@ def _nan_keys(preset):
         with torch.no_grad():
             model.model.layers[1].self_attn.k_proj.weight[0, :] = float("nan")
         _, ids, mask = left_padded([12, 7])
-        greedy(model, ids, mask, 3, cache=Policy.from_preset(preset, budget=32).make_cache(model))
+        policy = Policy.from_preset(preset, **({"budget": 32} if Policy.from_preset(preset).evictor else {}))
+        greedy(model, ids, mask, 3, cache=policy.make_cache(model))
     return run
 
 
@@ -210,8 +211,34 @@ def _generate(**kwargs):
     from conftest import char_tokenizer
 
     prompts = kwargs.pop("prompts", ["hi"])
-    return lambda model: Policy.from_preset("fullkv").generate(model, char_tokenizer(), prompts, max_new_tokens=2,
-                                                               **kwargs)
+    kwargs.setdefault("max_new_tokens", 2)
+    return lambda model: Policy.from_preset("fullkv").generate(model, char_tokenizer(), prompts, **kwargs)
+
+
+def _threads_from_env(value):
+    import os
+
+    from kvcompose import threads
+
+    old = os.environ.get(threads.ENV)
+    os.environ[threads.ENV] = value
+    try:
+        threads.choose()
+    finally:
+        os.environ.pop(threads.ENV) if old is None else os.environ.__setitem__(threads.ENV, old)
+
+
+def _other_model_run(model):
+    """thinkv (calibrated for SmolLM2) on a model of another name."""
+    from conftest import char_tokenizer
+
+    name = model.config.name_or_path
+    model.config.name_or_path = "org/Other-1B"
+    try:
+        Policy.from_preset("thinkv", classifier={"layers": [0, 1]}).generate(model, char_tokenizer(), ["hi"],
+                                                                              max_new_tokens=1)
+    finally:
+        model.config.name_or_path = name
 
 
 def _store():
@@ -395,7 +422,12 @@ CASES = [
     Case("protect-prompt", lambda _: P(protect_prompt="yes"), ValueError,
          "Policy.protect_prompt must be true or false, got 'yes'"),
     Case("scale-headroom", lambda _: P(scale_headroom=0.5), ValueError,
-         "Policy.scale_headroom must be a number >= 1, got 0.5"),
+         "Policy.scale_headroom must be a number >= 1 and finite, got ..."),
+    Case("scale-headroom-inf", lambda _: P(scale_headroom=float("inf")), ValueError,
+         "Policy.scale_headroom must be a number >= 1 and finite, got ..."),
+    Case("budget-without-evictor", lambda _: P.from_preset("fullkv", budget=128), ValueError,
+         "Policy 'fullkv' never evicts (it has no evictor), so budget=128 would change nothing; drop the budget, "
+         "or choose a preset with an evictor (kvcompose presets lists them)"),
     # precision map, storage formats and thought classes
     *[Case(f"precision-{i}", run, ValueError,
            "Policy.precision must map token classes to formats, e.g. {'all': 'nvfp4'}; got ...")
@@ -430,6 +462,9 @@ CASES = [
     Case("thresholds", lambda _: P.from_preset("thinkv", classifier={"thresholds": [0.5, 0.1]}), ValueError,
          "sparsity_kde classifier: thresholds must be strictly ascending, got 0.1 after 0.5 "
          "(thresholds=[0.5, 0.1])"),
+    Case("thresholds-range", lambda _: P.from_preset("thinkv", classifier={"thresholds": [-5, 7]}), ValueError,
+         "sparsity_kde classifier: threshold -5 lies outside [0, 1], the range of attention sparsity (a share of "
+         "negligible weights); thresholds=[-5, 7]"),
     Case("layers", lambda _: P.from_preset("thinkv", classifier={"layers": [-1]}), ValueError,
          "sparsity_kde classifier: layer -1 is not a layer index (an int >= 0); layers=[-1]"),
     Case("calibration-missing",  # relative to the test's working directory, an empty tmp_path
@@ -532,6 +567,13 @@ CASES = [
          "policy.generate makes its own cache; do not pass cache (or past_key_values)"),
     Case("generate-prompts", lambda m: _generate(prompts=[])(m), ValueError,
          "prompts must be a non-empty list of strings, got []"),
+    Case("generate-empty-prompt", lambda m: _generate(prompts=[""], chat=False)(m), ValueError,
+         "prompt 0 ('') encodes to no tokens; give each prompt some text (or let the chat template wrap it: "
+         "chat=None or True)"),
+    Case("generate-max-new-tokens", lambda m: _generate(max_new_tokens="5")(m), ValueError,
+         "max_new_tokens must be an integer >= 1, got '5'"),
+    Case("threads-env", lambda _: _threads_from_env("x"), ValueError,
+         "KVCOMPOSE_THREADS='x': expected a positive integer (a CPU thread count)"),
     Case("generate-fast-sampling", lambda m: _generate(fast=True, do_sample=True)(m), ValueError,
          "fast=True decodes greedily and takes only ['eos_token_id', 'pad_token_id']; got do_sample=True and "
          "options []. Use fast=False (model.generate, eager) for sampling or other generate options"),
@@ -607,6 +649,12 @@ CLI_CASES = [
      ERR + "--min-new-tokens must lie in [0, --max-new-tokens=256], got 300", False),
     ("prompt-file-missing", ["compare", "--prompts", "missing.txt"],
      ERR + "[Errno 2] No such file or directory: 'missing.txt'", False),
+    ("generate-budget-never-evicts", ["generate", "--preset", "fp8", "--budget", "64", "hi"],
+     ERR + "Policy 'fp8' never evicts (it has no evictor), so budget=64 would change nothing; drop the budget, or "
+           "choose a preset with an evictor (kvcompose presets lists them)", False),
+    ("prompt-file-not-json", ["compare", "--prompts", "bad.json"],
+     ERR + "prompt file 'bad.json' is not valid JSON (Expecting value: line 2 column 1 (char 2)); expected a list "
+           "of prompts, or use a file not ending in .json with one prompt per line", False),
     ("num-types", ["calibrate", "--num-types", "5", "--out", "c.json"],
      ERR + "--num-types must be one of [1, 2, 3], got 5", False),
 ]
@@ -621,6 +669,16 @@ ARGPARSE_CASES = [
      "kvcompose compare: error: argument --budgets: expected positive integers, got '64,0'"),
     ("match-memory", ["compare", "--match-memory", "0"],
      "kvcompose compare: error: argument --match-memory: expected a percentage in (0, 100], got '0'"),
+    ("threads", ["generate", "--threads", "0", "hi"],
+     "kvcompose generate: error: argument --threads: expected a positive integer, got '0'"),
+]
+
+# Checks where running on is reasonable: a warning, not an error.
+WARNING_CASES = [
+    ("calibrated-for-another-model", _other_model_run,
+     "policy 'thinkv': classifier 'sparsity_kde' was calibrated for model 'SmolLM2-135M-Instruct', but runs on "
+     "'org/Other-1B'; its thresholds and layers may not fit this model. Fit them with kvcompose calibrate "
+     "--model ..."),
 ]
 
 
@@ -631,6 +689,7 @@ NEEDS_NO_CUDA = {"bench-memory-cap-without-cuda": pytest.mark.skipif(torch.cuda.
                                                   for c in CLI_CASES])
 def test_cli_prints_one_line_and_exits_2(argv, message, loads, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.json").write_text("[\n")  # a prompt file cut short
     if not loads:
         monkeypatch.setattr("kvcompose.models.load", _no_model_load)
     code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
@@ -649,6 +708,17 @@ def test_cli_option_values_are_refused_by_the_parser(argv, message, capsys, monk
     assert info.value.code == 2
     assert "Traceback" not in out + err
     assert_message(err.strip().splitlines()[-1], message)
+
+
+@pytest.mark.parametrize("run, message", [pytest.param(*c[1:], id=c[0]) for c in WARNING_CASES])
+def test_documented_warnings(run, message, llama):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(llama)
+    texts = [str(w.message) for w in caught]
+    assert any(re.fullmatch(pattern(message), t, re.S) for t in texts), f"\n got: {texts}\nwant: {message}"
 
 
 # ----------------------------------------------------------------- the table and the tests agree
@@ -685,7 +755,8 @@ def table_messages() -> list[str]:
 def test_every_table_row_is_tested_and_every_test_is_in_the_table():
     documented = table_messages()
     assert len(documented) == len(set(documented)), "the table repeats a message"
-    tested = {c.message for c in CASES} | {c[2] for c in CLI_CASES} | {c[2] for c in ARGPARSE_CASES}
+    tested = ({c.message for c in CASES} | {c[2] for c in CLI_CASES} | {c[2] for c in ARGPARSE_CASES}
+              | {c[2] for c in WARNING_CASES})
     assert set(documented) - tested == set(), "rows without a test"
     assert tested - set(documented) == set(), "tests without a row"
 

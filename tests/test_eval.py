@@ -171,6 +171,36 @@ def test_result_files(model, batch, tmp_path):
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_numbers_do_not_depend_on_the_thread_count(batch):
+    """compare runs at one CPU thread whatever torch was set to (a CPU matmul's last bits
+    depend on how its sums are split over threads), and restores the caller's count. The
+    model is wide enough (hidden 256) that its numbers move with the thread count unpinned."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcompose import threads
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=96, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, attn_implementation="kvcompose")).eval()
+    ids, mask = batch
+    policies = build_policies(["fullkv", "streamingllm"], budgets=[8])
+    results = {}
+    for n in (1, 2):
+        with threads.fixed(n):
+            results[n] = compare(model, None, ["a", "b", "c"], policies, max_new_tokens=16, input_ids=ids,
+                                 attention_mask=mask, progress=False)
+            assert torch.get_num_threads() == n
+    assert results[1].metadata["replay"]["cpu_threads"] == 1
+
+    def numbers(result):  # everything but the wall-clock times
+        text = json.dumps(result.policies, sort_keys=True)
+        return re.sub(r'"seconds": [0-9.e-]+', "", text)
+
+    assert numbers(results[1]) == numbers(results[2])
+    assert results[1].prompts == results[2].prompts
+
+
 def test_packaged_and_user_prompts(tmp_path):
     prompts = load_prompts()
     assert 8 <= len(prompts) <= 12 and all("step by step" in p for p in prompts)

@@ -182,7 +182,7 @@ def test_generate_helper_restores_attention_and_reports(llama):
 def test_a_cache_serves_one_generation(llama, preset):
     """A second generate on a used cache raises (it used to continue the first run's
     sequence silently); after reset() the cache gives a fresh cache's tokens."""
-    policy = Policy.from_preset(preset, budget=32)
+    policy = Policy.from_preset(preset, **({"budget": 32} if Policy.from_preset(preset).evictor else {}))
     _, ids, mask = left_padded([20, 9])
     cache = policy.make_cache(llama)
     first = greedy(llama, ids, mask, 12, cache=cache)
@@ -209,7 +209,8 @@ def test_non_finite_keys_raise_the_same_error_for_every_preset(preset):
     with torch.no_grad():
         model.model.layers[1].self_attn.k_proj.weight[0, :] = float("nan")
     _, ids, mask = left_padded([12, 7])
-    cache = Policy.from_preset(preset, budget=32).make_cache(model)
+    budget = {"budget": 32} if Policy.from_preset(preset).evictor else {}  # a preset that never evicts takes none
+    cache = Policy.from_preset(preset, **budget).make_cache(model)
     with pytest.raises(ValueError, match="^layer 1: the model produced NaN/inf keys or values"):
         greedy(model, ids, mask, 3, cache=cache)
     cache.check_errors()  # raised once: nothing left pending

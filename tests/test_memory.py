@@ -37,7 +37,7 @@ RUNS = {"short": 8, "long": 300}
 BUDGET = 64
 OVERRIDES = {  # what makes each compressing preset evict within the long run
     "rpc": {"trigger": {"name": "interval", "period": 64, "ratio": 4, "recent": 32}},
-    **{p: {} for p in ("fullkv", "kivi2", "kivi4", "nvfp4", "fp8")},  # no budget: they compress by format only
+    **{p: {} for p in ("fullkv", "kivi2", "kivi4", "nvfp4", "fp8", "thinkv-tbq")},  # no budget: they never evict
 }
 PROMPTS = [20, 13]
 

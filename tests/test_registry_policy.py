@@ -107,7 +107,8 @@ def test_plugin_presets_are_found_without_a_prior_component_lookup(monkeypatch):
 
     class FakeEP:
         def load(self):
-            return lambda: register_preset("plugin_preset", "from a plugin", {"budget": 64})
+            return lambda: register_preset("plugin_preset", "from a plugin",
+                                           {"budget": 64, "evictor": "window", "trigger": "over_budget"})
 
     monkeypatch.setattr(registry, "_plugins_loaded", False)
     monkeypatch.setattr(registry, "entry_points", lambda group: [FakeEP()])

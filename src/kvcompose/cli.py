@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from . import threads
+
 DEMO_PROMPT = (
     "A farmer has 17 sheep. He buys 3 times as many goats as sheep, then sells 12 goats. "
     "How many animals does he have now? Think step by step."
@@ -38,11 +40,12 @@ def _cmd_generate(args) -> int:
     if args.min_new_tokens is not None and args.min_new_tokens > args.max_new_tokens:
         raise ValueError(f"--min-new-tokens must lie in [1, --max-new-tokens={args.max_new_tokens}], "
                          f"got {args.min_new_tokens}")
-    print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
+    _loading(args)
     model, tokenizer = models.load(args.model)
     out = policy.generate(
         model, tokenizer, [args.prompt], max_new_tokens=args.max_new_tokens,
         do_sample=args.sample, progress=not args.quiet, memory_basis=args.memory_basis,
+        threads=args.cpu_threads.threads,
         **({"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else {}),
         **({"temperature": args.temperature} if args.sample else {}),
     )
@@ -54,6 +57,23 @@ def _cmd_generate(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"policy": policy.to_config(), "text": out.texts[0], "report": out.report.to_dict()}, f, indent=2)
     return 0
+
+
+def _loading(args, note: str | None = None) -> None:
+    """The loading line on stderr, with the CPU thread count this run uses and why."""
+    c = getattr(args, "cpu_threads", None)
+    how = note or f"on {c.threads} CPU thread{'s' if c.threads != 1 else ''}: {c.reason}; change with --threads or " \
+                  f"{threads.ENV}"
+    print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ({how}) ...", file=sys.stderr)
+
+
+def _with_budget(policy, budget: int | None):
+    """``policy`` at ``budget`` where it evicts; a preset that never evicts has no budget to set."""
+    if budget is None or policy.evictor is None:
+        return policy
+    from . import Policy
+
+    return Policy.from_config({**policy.to_config(), "budget": budget})
 
 
 def _preset_list(text: str) -> list[str]:
@@ -108,12 +128,14 @@ def _cmd_compare(args) -> int:
                          f"got {args.min_new_tokens}")
     prompts = load_prompts(args.prompts, args.num_prompts)
     start = time.perf_counter()
-    print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
+    _loading(args, f"the comparison runs at {args.threads} CPU thread{'s' if args.threads != 1 else ''}, "
+                   "so its numbers do not depend on the machine's cores or load")
     model, tokenizer = models.load(args.model)
     result = compare_presets(
         model, tokenizer, prompts, presets, budgets=budgets, match_memory_pct=args.match_memory,
         overrides=overrides, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
         batch_size=args.batch_size, progress=not args.quiet, model_name=args.model or "SmolLM2-135M-Instruct (embedded)",
+        threads=args.threads,
     )
     paths = result.save(args.out)
     print(result.self_check["message"])
@@ -152,7 +174,7 @@ def _cmd_calibrate(args) -> int:
     else:
         prompts = calibration_prompts(args.num_prompts)
     start = time.perf_counter()
-    print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
+    _loading(args)
     model, tokenizer = models.load(args.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CalibrationWarning)  # describe() prints the fallback on stdout
@@ -184,8 +206,7 @@ def _cmd_bench(args) -> int:
     from . import Policy, models, speed
 
     presets = _preset_list(args.presets)
-    policies = [Policy.from_preset(n, **({"budget": args.budget} if args.budget is not None else {}))
-                for n in presets]
+    policies = [_with_budget(Policy.from_preset(n), args.budget) for n in presets]
     for name, policy in zip(presets, policies):
         if policy.needs_text:
             raise ValueError(f"preset {name!r} reads the generated text and decodes eagerly; kvcompose bench times "
@@ -198,7 +219,7 @@ def _cmd_bench(args) -> int:
     if not cuda:
         print("kvcompose: no CUDA device: decoding runs without CUDA graphs and the baseline is not compiled; "
               "these numbers say nothing about GPU serving", file=sys.stderr)
-    print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
+    _loading(args)
     model, _ = models.load(args.model, dtype=torch.bfloat16 if cuda else torch.float32,
                            device="cuda" if cuda else None)
     model.generation_config.eos_token_id = None
@@ -240,8 +261,12 @@ def _cmd_bench(args) -> int:
     return 0
 
 
-def _model_option(parser: argparse.ArgumentParser) -> None:
+def _model_option(parser: argparse.ArgumentParser, threads_default: int | None = None) -> None:
     parser.add_argument("--model", default=None, help="HF model directory/id or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument(
+        "--threads", type=_positive_int, default=threads_default,
+        help=f"CPU threads (default {threads_default}: the same numbers on every machine)" if threads_default else
+        f"CPU threads (default: ${threads.ENV}, else $OMP_NUM_THREADS, else the usable cores less the busy ones)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "length; the masking is recorded and replayed)")
     c.add_argument("--batch-size", type=_positive_int, default=4,
                    help="prompts replayed together (1: exact per-prompt memory)")
-    _model_option(c)
+    _model_option(c, threads_default=1)
     c.add_argument("--out", default="fidelity", help="output directory (default: ./fidelity)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_cmd_compare)
@@ -352,7 +377,11 @@ USER_ERRORS = (ValueError, KeyError, ModuleNotFoundError, OSError)
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        if not hasattr(args, "threads") or args.func is _cmd_compare:  # compare pins its own count
+            return args.func(args)
+        args.cpu_threads = threads.choose(args.threads)
+        with threads.fixed(args.cpu_threads.threads):
+            return args.func(args)
     except USER_ERRORS as exc:
         message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"kvcompose: error: {message}", file=sys.stderr)

@@ -6,7 +6,8 @@ against an fp32 full cache every quantized format would look twice as small as i
 On that basis the tensors the cache holds in the model's dtype (full-precision blocks,
 the recent buffer) count at the basis dtype's width, which is exactly what the same
 cache holds when the model runs in that dtype; quantized payload and metadata do not
-change. The report also keeps the bytes as held in this run.
+change; so do the bits per value. The bytes as held in this run's own tensors are kept
+in ``held_bytes`` for whoever needs them, but not printed: one basis, one set of figures.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Report:
     tokens_kept: list[list[int]]  # [layer][sequence] live tokens held now
     evictions: int  # eviction events, summed over layers
     per_layer_bytes: list[int] = field(default_factory=list)
-    avg_bits: float = 0.0  # bits per value of the live tokens in blocks (payload and its scales)
+    avg_bits: float | None = None  # bits per value of the live tokens in blocks, on the basis; None: none in blocks
     thought_mix: dict = field(default_factory=dict)  # % of real tokens filed under each class
     refreshes: int = 0  # classifier refreshes
     steps: int = 0  # forward passes (prefill + decode steps)
@@ -78,16 +79,15 @@ class Report:
     def from_cache(cls, cache) -> "Report":
         layers = [layer.store for layer in cache.layers if layer.store is not None]
         if not layers:
-            return cls(0, 0, 0, 0, 0, 0, 0, [], [], 0, [])
+            basis = cache.memory_basis
+            return cls(0, 0, 0, 0, 0, 0, 0, [], [], 0, [], basis=dtype_name(basis) if basis is not None else "")
+        basis = cache.memory_basis or layers[0].dtype
         live_bits = live = 0
         for store in layers:
             for region in store.regions:
-                pool = region.pool
                 n = int(region.live_tokens().sum())
-                values_per_block = pool.block_size * 2 * store.num_kv_heads * store.head_dim
-                live_bits += n * 8 * pool.payload_bytes_per_block / values_per_block
+                live_bits += n * _bits_per_value(store, region.pool, basis)
                 live += n
-        basis = cache.memory_basis or layers[0].dtype
         mems = [s.memory(basis) for s in layers]
         held = [s.memory() for s in layers]
 
@@ -106,7 +106,7 @@ class Report:
             tokens_kept=[s.live_tokens().tolist() for s in layers],
             evictions=sum(s.evictions + int(s.evictions_on_device) for s in layers),
             per_layer_bytes=[m["in_use"] for m in mems],
-            avg_bits=live_bits / live if live else 0.0,
+            avg_bits=live_bits / live if live else None,
             **cache.thoughts.report(),
             **cache.counters.report(),
             time_s=cache.timer.report(),
@@ -130,14 +130,19 @@ class Report:
         def mib(n: int) -> str:
             return f"{n / 2**20:8.2f} MiB"
 
+        basis = f"a full {self.basis} cache of the same tokens" if self.basis else "the model's dtype"
+        if not self.tokens_seen:
+            return f"memory basis   {basis}\nKV in use      nothing: the cache has seen no tokens yet"
         kept = [sum(row) / len(row) for row in zip(*self.tokens_kept)] if self.tokens_kept else []
-        lines = [f"memory basis   a full {self.basis} cache of the same tokens"]
+        lines = [f"memory basis   {basis}"]
         if self.dtype != self.basis:
-            lines[0] += (f" (this run computes in {self.dtype}; its full-precision tensors count at {self.basis} width, "
-                         f"as a {self.basis} run holds them; held here: {mib(self.held_bytes['in_use']).strip()} in use,"
-                         f" {mib(self.held_bytes['allocated']).strip()} allocated)")
+            lines[0] += (f" (this run computes in {self.dtype}; what it holds at full precision counts at {self.basis} "
+                         f"width, as a {self.basis} run holds it)")
+        in_use = f"KV in use      {mib(self.kv_bytes)}  ({100 * self.memory_fraction:.1f}% of full"
+        if self.memory_fraction > 1:  # say why, or it reads as compression that costs memory
+            in_use += f": unfilled slots and metadata on top of {sum(self.tokens_seen)} tokens"
         lines += [
-            f"KV in use      {mib(self.kv_bytes)}  ({100 * self.memory_fraction:.1f}% of full)",
+            in_use + ")",
             f"  payload      {mib(self.payload_bytes)}",
             f"  buffer       {mib(self.buffer_bytes)}",
             f"  metadata     {mib(self.metadata_bytes)}",
@@ -149,7 +154,8 @@ class Report:
             f"tokens kept    {[round(k, 1) for k in kept]} (per sequence, mean over layers)",
             f"evictions      {self.evictions} (events, summed over layers); "
             f"evictor ran on {self.eviction_call_rate:.2f}% of {self.steps} steps",
-            f"avg bits       {self.avg_bits:.2f} per value in blocks",
+            f"avg bits       {self.avg_bits:.2f} per value in blocks ({self.basis} basis)" if self.avg_bits is not None
+            else "avg bits       none yet: every kept token still waits in the recent buffer",
         ]
         if self.thought_mix and len(self.thought_mix) > 1:
             mix = ", ".join(f"{c} {p:.1f}%" for c, p in self.thought_mix.items())
@@ -162,6 +168,18 @@ class Report:
         if self.time_s:
             lines.append("time           " + ", ".join(f"{k} {v:.3f}s" for k, v in self.time_s.items()))
         return "\n".join(lines)
+
+
+def _bits_per_value(store, pool, basis: torch.dtype) -> float:
+    """Payload bits per value of ``pool``'s blocks, on the basis: a pool that holds the model's own
+    dtype counts at the basis width (as the store's memory does); a quantized one as stored."""
+    from .paging import DenseCodec
+
+    values_per_block = pool.block_size * 2 * store.num_kv_heads * store.head_dim
+    bits = 8 * pool.payload_bytes_per_block / values_per_block
+    if isinstance(pool.codec, DenseCodec) and pool.codec.dtype == store.dtype:
+        bits *= basis.itemsize / store.dtype.itemsize
+    return bits
 
 
 def _sharing(cache, in_use: int, saved: int) -> dict:

@@ -47,13 +47,16 @@ class CalibrationWarning(UserWarning):
 
 
 def check_thresholds(owner: str, thresholds) -> tuple[float, ...]:
-    """Finite, strictly ascending numbers, or a ValueError naming the offending value."""
+    """Strictly ascending numbers in [0, 1] (sparsity is a share), or a ValueError naming the offending value."""
     if isinstance(thresholds, (str, bytes)) or not hasattr(thresholds, "__iter__"):
         raise ValueError(f"{owner}: thresholds must be a list of numbers, got {thresholds!r}")
     out = []
     for t in thresholds:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
             raise ValueError(f"{owner}: threshold {t!r} is not a finite number (thresholds={list(thresholds)!r})")
+        if not 0 <= t <= 1:
+            raise ValueError(f"{owner}: threshold {t!r} lies outside [0, 1], the range of attention sparsity "
+                             f"(a share of negligible weights); thresholds={list(thresholds)!r}")
         if out and t <= out[-1]:
             raise ValueError(
                 f"{owner}: thresholds must be strictly ascending, got {t!r} after {out[-1]!r} "

@@ -20,6 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .. import threads as cpu_threads
 from .match import match_memory, match_share_rate
 from .metrics import MEMORY_BASIS, TOPK
 from .overrides import build_policies, check_overrides, preset_policy
@@ -28,6 +29,20 @@ from .result import FidelityResult, policy_record, prompt_records
 from .trajectory import TRAJECTORY_ATTENTION, greedy_trajectory
 
 DEFAULT_PRESETS = ("fullkv", "streamingllm", "snapkv", "h2o", "rkv", "rpc")
+
+#: CPU threads a comparison runs at unless told otherwise. A CPU matmul's sums are split
+#: across threads, so its last bits (and then a near-tie argmax) depend on the thread
+#: count; one count for every run keeps the numbers comparable across machines and loads.
+FIDELITY_THREADS = 1
+
+
+def _pinned_threads(model, threads: int | None):
+    """The thread count a comparison on ``model`` runs at (a no-op off the CPU or with ``threads=None``)."""
+    import contextlib
+
+    if threads is None or next(model.parameters()).device.type != "cpu":
+        return contextlib.nullcontext()
+    return cpu_threads.fixed(cpu_threads.choose(threads).threads)
 
 
 def _versions() -> dict:
@@ -57,15 +72,31 @@ def _model_info(model, name: str | None) -> dict:
 def compare(model, tokenizer, prompts: list[str], policies: dict, *, max_new_tokens: int = 256,
             min_new_tokens: int | None = None, batch_size: int = 4, topk: int = TOPK, chat: bool | None = None,
             progress: bool = True, model_name: str | None = None, selection: dict | None = None,
-            input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> FidelityResult:
+            input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+            threads: int | None = FIDELITY_THREADS) -> FidelityResult:
     """Run the protocol for ``{label: Policy}`` on ``prompts`` and collect a :class:`FidelityResult`.
 
     ``min_new_tokens=None`` means ``max_new_tokens``: every prompt is replayed for the
     same number of steps, EOS masked until then (and the masking replayed). Prompts go
     in batches of ``batch_size``. Without a tokenizer, pass a left-padded
     ``input_ids``/``attention_mask`` instead (``prompts`` then only labels them).
+    ``threads``: CPU threads the trajectory and replays run at (restored afterwards), so
+    the numbers do not depend on the machine or its load; ``None`` keeps torch's setting.
     """
+    with _pinned_threads(model, threads):
+        result = _compare(model, tokenizer, prompts, policies, max_new_tokens=max_new_tokens,
+                          min_new_tokens=min_new_tokens, batch_size=batch_size, topk=topk, chat=chat,
+                          progress=progress, model_name=model_name, selection=selection, input_ids=input_ids,
+                          attention_mask=attention_mask)
+    result.metadata["replay"]["cpu_threads"] = threads if next(model.parameters()).device.type == "cpu" else None
+    return result
+
+
+def _compare(model, tokenizer, prompts, policies, *, max_new_tokens, min_new_tokens, batch_size, topk, chat,
+             progress, model_name, selection, input_ids, attention_mask) -> FidelityResult:
     from tqdm.auto import tqdm
+
+    from ..calibration.model_check import warn_if_calibrated_for_another_model
 
     from ..hf.generate import encode_prompts
     from ..policies import Policy
@@ -74,6 +105,8 @@ def compare(model, tokenizer, prompts: list[str], policies: dict, *, max_new_tok
         raise ValueError("no policies to compare")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for policy in policies.values():
+        warn_if_calibrated_for_another_model(policy, model)
     min_new = max_new_tokens if min_new_tokens is None else min_new_tokens
     start = time.perf_counter()
     if input_ids is None:
@@ -140,15 +173,26 @@ def compare(model, tokenizer, prompts: list[str], policies: dict, *, max_new_tok
 def compare_presets(model, tokenizer, prompts: list[str], presets: Iterable[str] = DEFAULT_PRESETS, *,
                     budgets: Iterable[int] | None = None, match_memory_pct: float | None = None,
                     overrides: dict | None = None, max_new_tokens: int = 256, min_new_tokens: int | None = None,
-                    batch_size: int = 4, progress: bool = True, **kwargs) -> FidelityResult:
+                    batch_size: int = 4, progress: bool = True, threads: int | None = FIDELITY_THREADS,
+                    **kwargs) -> FidelityResult:
     """:func:`compare` over named presets: a budget sweep (``budgets``) or memory matched by measurement.
 
     With ``match_memory_pct``, each compressing preset's budget (RPC: its period) is
     calibrated on the first prompt by :func:`match_memory` before the comparison. With both
     ``reasoncache`` and ``reasoncache-random``, the random baseline's share rate is set to
     the one ``reasoncache`` measures on the first prompt (:func:`match_share_rate`), so the
-    two save the same share of sealed step blocks.
+    two save the same share of sealed step blocks. ``threads``: as in :func:`compare`
+    (the calibration runs at the same count).
     """
+    with _pinned_threads(model, threads):
+        return _compare_presets(model, tokenizer, prompts, presets, budgets=budgets,
+                                match_memory_pct=match_memory_pct, overrides=overrides,
+                                max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                                batch_size=batch_size, progress=progress, threads=threads, **kwargs)
+
+
+def _compare_presets(model, tokenizer, prompts, presets, *, budgets, match_memory_pct, overrides, max_new_tokens,
+                     min_new_tokens, batch_size, progress, threads, **kwargs) -> FidelityResult:
     from tqdm.auto import tqdm
 
     from ..hf.generate import encode_prompts
@@ -189,4 +233,4 @@ def compare_presets(model, tokenizer, prompts: list[str], presets: Iterable[str]
         selection["calibration"] = records + ([shared] if shared else [])
     return compare(model, tokenizer, prompts, policies, max_new_tokens=max_new_tokens,
                    min_new_tokens=min_new_tokens, batch_size=batch_size, progress=progress,
-                   selection=selection, **kwargs)
+                   selection=selection, threads=threads, **kwargs)

@@ -23,7 +23,12 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
         path = Path(path)
         text = path.read_text(encoding="utf-8")
         if path.suffix == ".json":
-            prompts = _from_json(json.loads(text), str(path))
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"prompt file {str(path)!r} is not valid JSON ({err}); expected a list of prompts, "
+                                 "or use a file not ending in .json with one prompt per line") from None
+            prompts = _from_json(data, str(path))
         else:
             prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:

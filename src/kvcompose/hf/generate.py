@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import threads as cpu_threads
 from ..report import Report
 from .attention import ATTENTION_NAME
 from .compat import cache_kwargs
@@ -51,9 +52,14 @@ def encode_prompts(tokenizer, prompts, chat: bool | None = None) -> dict:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     try:
-        return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not use_chat)
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not use_chat)
     finally:
         tokenizer.padding_side = old_side
+    empty = [i for i, n in enumerate(enc["attention_mask"].sum(1).tolist()) if n == 0]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} ({prompts[empty[0]]!r}) encodes to no tokens; give each prompt some text "
+                         "(or let the chat template wrap it: chat=None or True)")
+    return enc
 
 
 FAST_KWARGS = {"eos_token_id", "pad_token_id"}  # what the static-shape path takes besides max_new_tokens
@@ -61,7 +67,7 @@ FAST_KWARGS = {"eos_token_id", "pad_token_id"}  # what the static-shape path tak
 
 def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat: bool | None = None,
              progress: bool = False, fast: bool | None = None, memory_basis="bfloat16",
-             **generate_kwargs) -> GenerationOutput:
+             threads: int | None = None, **generate_kwargs) -> GenerationOutput:
     """Generate under ``policy`` and return texts, generated ids and the memory report.
 
     ``fast``: decode through the static-shape path (:func:`kvcompose.hf.static.fast_generate`:
@@ -69,11 +75,18 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
     other ``model.generate`` options; ``False`` runs ``model.generate`` eagerly with every
     option. The model's attention implementation is switched to ``kvcompose`` for the
     call and restored afterwards. ``memory_basis``: the full cache's dtype that the report
-    states memory against (see :mod:`kvcompose.report`). Extra keyword arguments go to
-    ``model.generate``.
+    states memory against (see :mod:`kvcompose.report`). ``threads``: CPU threads for a
+    model on the CPU (default: chosen by :func:`kvcompose.threads.choose`, which keeps a
+    busy machine from being oversubscribed; restored afterwards). Extra keyword arguments
+    go to ``model.generate``.
     """
     if "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
         raise ValueError("policy.generate makes its own cache; do not pass cache (or past_key_values)")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    from ..calibration.model_check import warn_if_calibrated_for_another_model
+
+    warn_if_calibrated_for_another_model(policy, model)
     enc = encode_prompts(tokenizer, prompts, chat).to(model.device)
     greedy = not generate_kwargs.get("do_sample", getattr(model.generation_config, "do_sample", False))
     other = sorted(set(generate_kwargs) - FAST_KWARGS - {"do_sample"})
@@ -87,14 +100,16 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
             f"fast=True decodes greedily and takes only {sorted(FAST_KWARGS)}; got do_sample={not greedy} and "
             f"options {other}. Use fast=False (model.generate, eager) for sampling or other generate options"
         )
+    n_threads = cpu_threads.choose(threads).threads if model.device.type == "cpu" else torch.get_num_threads()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     try:
         cache = policy.make_cache(model, memory_basis=memory_basis, tokenizer=tokenizer)
-        if fast:
-            out = _fast(model, tokenizer, cache, enc, max_new_tokens, generate_kwargs)
-        else:
-            out = _eager(model, tokenizer, cache, enc, max_new_tokens, progress, generate_kwargs)
+        with cpu_threads.fixed(n_threads):
+            if fast:
+                out = _fast(model, tokenizer, cache, enc, max_new_tokens, generate_kwargs)
+            else:
+                out = _eager(model, tokenizer, cache, enc, max_new_tokens, progress, generate_kwargs)
     finally:
         model.set_attn_implementation(previous)
     new = out[:, enc["input_ids"].shape[1]:]

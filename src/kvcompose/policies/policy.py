@@ -83,8 +83,8 @@ class Policy:
                     f"Policy.precision does not map; precision classes: {self.classes}"
                 )
         if isinstance(self.scale_headroom, bool) or not isinstance(self.scale_headroom, (int, float)) \
-                or not self.scale_headroom >= 1:
-            raise ValueError(f"Policy.scale_headroom must be a number >= 1, got {self.scale_headroom!r}")
+                or not 1 <= self.scale_headroom < float("inf"):
+            raise ValueError(f"Policy.scale_headroom must be a number >= 1 and finite, got {self.scale_headroom!r}")
         for cls, q in (self.precision or {}).items():
             if q is None:
                 continue
@@ -122,6 +122,11 @@ class Policy:
                              f"{self.classes}. Use one class, e.g. precision={{'all': 'nvfp4'}}")
         if self.budget is not None:
             positive_int("budget", self.budget, 1)
+            if self.evictor is None:
+                raise ValueError(
+                    f"Policy {self.name!r} never evicts (it has no evictor), so budget={self.budget} would change "
+                    "nothing; drop the budget, or choose a preset with an evictor (kvcompose presets lists them)"
+                )
         if (self.evictor is None) != (self.trigger is None):
             raise ValueError(
                 "Policy needs both an evictor and a trigger to compress (or neither for a full cache); "
