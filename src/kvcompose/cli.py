@@ -67,15 +67,6 @@ def _loading(args, note: str | None = None) -> None:
     print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ({how}) ...", file=sys.stderr)
 
 
-def _with_budget(policy, budget: int | None):
-    """``policy`` at ``budget`` where it evicts; a preset that never evicts has no budget to set."""
-    if budget is None or policy.evictor is None:
-        return policy
-    from . import Policy
-
-    return Policy.from_config({**policy.to_config(), "budget": budget})
-
-
 def _preset_list(text: str) -> list[str]:
     presets = [p.strip() for p in text.split(",") if p.strip()]
     if not presets:
@@ -203,10 +194,12 @@ def _bench_cell(value) -> str:
 def _cmd_bench(args) -> int:
     import torch
 
-    from . import Policy, models, speed
+    from . import models, speed
+    from .eval.overrides import at_budgets
 
     presets = _preset_list(args.presets)
-    policies = [_with_budget(Policy.from_preset(n), args.budget) for n in presets]
+    budgets = None if args.budget is None else [args.budget]
+    policies = [at_budgets(n, budgets)[0] for n in presets]  # the budget where a preset keeps one, as compare does
     for name, policy in zip(presets, policies):
         if policy.needs_text:
             raise ValueError(f"preset {name!r} reads the generated text and decodes eagerly; kvcompose bench times "

@@ -64,19 +64,23 @@ def check_overrides(presets: list[str], overrides: dict | None) -> None:
         raise ValueError(f"--set names preset(s) {stray} that are not being compared ({', '.join(presets)})")
 
 
+def at_budgets(name: str, budgets: Iterable[int] | None = None, overrides: dict | None = None) -> list:
+    """The preset once per budget where its trigger keeps a budget; once, budgets left out,
+    where it has none to keep (``fullkv`` and the quantize-only presets never evict; ``rpc``'s
+    memory follows its period)."""
+    base = preset_policy(name, overrides)
+    if base.evictor is None or not base.trigger.needs_budget or not budgets:
+        return [base]
+    return [preset_policy(name, overrides, budget=int(b)) for b in budgets]
+
+
 def build_policies(presets: Iterable[str], budgets: Iterable[int] | None = None,
                    overrides: dict | None = None) -> dict:
-    """``{label: Policy}``: each preset once per budget; presets without a budget knob
-    (``fullkv``, and ``rpc`` whose memory follows its period) once."""
+    """``{label: Policy}``: each preset at each budget it can keep (see :func:`at_budgets`)."""
     presets = list(presets)
     check_overrides(presets, overrides)
     out = {}
     for name in presets:
-        base = preset_policy(name, overrides)
-        if base.evictor is None or not base.trigger.needs_budget or not budgets:
-            out.setdefault(policy_label(base), base)
-            continue
-        for b in budgets:
-            policy = preset_policy(name, overrides, budget=int(b))
+        for policy in at_budgets(name, budgets, overrides):
             out.setdefault(policy_label(policy), policy)
     return out
