@@ -1,6 +1,11 @@
 """Paged KV store: block pools per storage format, regions per token class, slot codecs.
 
-What an eviction does to the store is up to a pager (:mod:`kvcompose.pagers`).
+:class:`LayerStore` is the one store class callers use. It is assembled from one base
+per concern, so each module reads on its own: ``store`` (state, eager append, dense
+view), ``store_static`` (fixed-capacity mode for CUDA-graph decode), ``store_sources``
+(in-place reads for attention and evictors), ``store_memory`` (byte accounting, free
+block return) and ``store_checks`` (input checks, device error flags). What an eviction
+does to the store is up to a pager (:mod:`kvcompose.pagers`).
 """
 
 from .codec import DenseCodec, SlotCodec

@@ -1,4 +1,4 @@
-"""The paged KV store of one layer for a batch of sequences.
+"""The paged KV store of one layer for a batch of sequences, and its eager path.
 
 New tokens first land in a full-precision recent buffer. Once a row's buffer holds
 more than ``residual`` tokens plus a whole group of ``group_size``, the oldest full
@@ -7,8 +7,10 @@ class's blocks (a :class:`Region`); they are never re-encoded. Everything is
 vectorized over the batch: rows of different lengths are handled with masks and
 cumulative sums, never with a Python loop over sequences or tokens.
 
-The store does not decide what to evict; pagers (``kvcompose.paging.gather``) use
-:meth:`Region.place`, :meth:`Region.release_rows` and
+This module holds the state and the eager path (append, dense view, encode and
+refill); :class:`LayerStore` takes static mode, in-place reads, memory accounting
+and error checks from the ``store_*`` modules beside it. The store does not decide
+what to evict: pagers use :meth:`Region.place`, :meth:`Region.release_rows` and
 :meth:`LayerStore.refill_buffer` to rewrite rows.
 """
 
@@ -18,12 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.append_token import append_token
-from ..ops.evict_one import evict_one_in_place
-from ..ops.paged_attention import KVOperand, PagedSource
 from .codec import DenseCodec, SlotCodec
 from .pool import BlockPool, empty_value
 from .region import Region
+from .store_checks import StoreChecks
+from .store_memory import StoreMemory
+from .store_sources import StoreSources
+from .store_static import StoreStatic
 
 
 @dataclass
@@ -47,8 +50,10 @@ class StoreView:
     classes: torch.Tensor | None = None  # [B, L] int64 token class (region index; buffer tokens' own class)
 
 
-class LayerStore:
-    """Regions (one per token class), their pools, and the recent buffer of one layer."""
+class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
+    """Regions (one per token class), their pools, and the recent buffer of one layer.
+
+    The one class callers use; each base holds one part of its behaviour over this state."""
 
     def __init__(
         self,
@@ -118,7 +123,6 @@ class LayerStore:
         self.static = False  # see fix_capacity
         self.columns_limit: int | None = None  # static mode: the most columns the run appends, if known
 
-    # ----------------------------------------------------------------- append
     def append(
         self,
         keys: torch.Tensor,
@@ -165,20 +169,6 @@ class LayerStore:
         self.encode_and_place(k, v, meta, to_blocks)
         self.refill_buffer(k, v, meta, live & ~to_blocks)
         return positions
-
-    def check_input(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Refuse new keys/values (``[B, Hkv, T, D]``) whose batch, heads, head dim or dtype
-        differ from this store's, naming both."""
-        B, H, _, D = keys.shape
-        if (B, H, D) != (self.batch_size, self.num_kv_heads, self.head_dim):
-            raise ValueError(
-                f"keys of shape {tuple(keys.shape)} do not match the cache (batch {self.batch_size}, "
-                f"{self.num_kv_heads} KV heads, head dim {self.head_dim})"
-            )
-        if values.shape != keys.shape:
-            raise ValueError(f"values shape {tuple(values.shape)} differs from keys shape {tuple(keys.shape)}")
-        if keys.dtype != self.dtype or values.dtype != self.dtype:
-            raise ValueError(f"keys/values dtype {keys.dtype}/{values.dtype} differ from the cache dtype {self.dtype}")
 
     def encode_and_place(self, k: torch.Tensor, v: torch.Tensor, meta: dict, mask: torch.Tensor,
                          aligned: bool = False) -> None:
@@ -251,103 +241,6 @@ class LayerStore:
         self.buf_k, self.buf_v = wider(self.buf_k, 0), wider(self.buf_v, 0)
         self.buf_meta = {n: wider(t, empty_value(n)) for n, t in self.buf_meta.items()}
 
-    # ----------------------------------------------------------- static mode
-    def fix_capacity(self, tokens: int, columns_limit: int | None = None) -> None:
-        """Enter static mode: every region of every row gets blocks for ``tokens`` tokens now,
-        and from then on :meth:`append_step` appends one token per row with fixed shapes, in place,
-        without host synchronization: what a captured CUDA graph replays. ``columns_limit``: the
-        most columns the run will have appended (evictors that keep per-segment state size it
-        from this instead of reading the device)."""
-        if self.static:
-            raise ValueError("this store is already in static mode")
-        for pool in self.pools.values():
-            regions = [r for r in self.regions if r.pool is pool]
-            width = -(-tokens // pool.block_size)
-            need = sum(max(width, r.table.shape[1]) * self.batch_size - int((r.table >= 0).sum()) for r in regions)
-            pool.fix_capacity(need)
-            for region in regions:
-                region.fix_width(width)
-        self._grow_buffer(self.buffer_capacity)
-        self.column = torch.full((), self.columns_seen, dtype=torch.long, device=self.device)
-        self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)
-        self.static = True
-        self.columns_limit = columns_limit
-
-    def append_step(self, keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, flush: bool,
-                    query_ring: tuple | None = None) -> torch.Tensor:
-        """Static mode: append one real token per row (``[B, Hkv, 1, D]``, classes ``[B]``) and
-        return its positions ``[B, 1]``. ``flush``: the caller knows that some row's buffer
-        fills this step, so its oldest group is encoded into blocks (rows whose buffer is not
-        full write nothing). ``query_ring``: the caller's ring of recent queries, written in
-        the same launch (see :func:`~kvcompose.ops.append_token.append_token`). Host counters
-        (``columns_seen``) are the caller's to advance."""
-        positions = append_token(keys, values, self.buf_k, self.buf_v, self.buf_meta, self.buf_len, self.tokens_seen,
-                                 self.column, cls, self.overflow, self.nonfinite, ring=query_ring)
-        if flush:
-            self._flush_full_rows()
-        return positions
-
-    def _flush_full_rows(self) -> None:
-        """Rows whose buffer holds ``residual + group_size`` tokens move their oldest group to
-        blocks and shift the rest to the front (what :meth:`append` does, with fixed shapes)."""
-        G, cap = self.group_size, self.buf_k.shape[1]
-        full = self.buf_len == cap
-        first_group = full[:, None] & (torch.arange(cap, device=self.device) < G)
-        self.encode_and_place(self.buf_k, self.buf_v, self.buf_meta, first_group, aligned=True)
-        for t, fill in self._buffer_tensors():
-            shifted = torch.cat([t[:, G:], torch.full_like(t[:, :G], fill)], dim=1)
-            t.copy_(torch.where(full.view(-1, *[1] * (t.dim() - 1)), shifted, t))
-        self.buf_len -= full * G
-
-    def return_free_blocks(self) -> None:
-        """Shrink every pool that keeps more free blocks than one per (row, region it serves):
-        the blocks in use move to the lowest ids (payload and metadata as stored, nothing is
-        re-encoded) and the block tables follow. Pagers call it after evicting, so allocated
-        bytes stay within one block per (row, region) of the bytes in use. Eager mode only:
-        in static mode the capacity is fixed on purpose."""
-        if self.static:
-            return
-        for pool in self.pools.values():
-            regions = [r for r in self.regions if r.pool is pool]
-            if pool.num_free <= self.batch_size * len(regions):
-                continue
-            used = torch.unique(torch.cat([r.table[r.table >= 0] for r in regions]))  # shared blocks once
-            remap = pool.keep_only(used)
-            for region in regions:
-                region.table = torch.where(region.table >= 0, remap[region.table.clamp(min=0)], -1)
-
-    def bytes_in_use(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """:meth:`memory`'s ``in_use`` as a device scalar (no host synchronization)."""
-        sizes = self._sizes(dtype)
-        blocks = sum(r.blocks_written() * sum(sizes["block"][id(r.pool)]) for r in self.regions)
-        return blocks + sizes["tables"] + sizes["buffer"] + sizes["buffer_meta"]
-
-    def _sizes(self, dtype: torch.dtype | None) -> dict:
-        """Bytes per block of each pool (payload, metadata) and of what does not depend on
-        what is stored (block tables with row scales, the buffer's K/V, its metadata), with the
-        tensors held in the model's dtype (full-precision blocks, the buffer) counted at
-        ``dtype``'s width (None: as held)."""
-        held = self.buf_k.element_size()
-        width = held if dtype is None else torch.empty(0, dtype=dtype).element_size()
-
-        def at_width(n: int) -> int:
-            return n * width // held
-
-        def follows_model(pool: BlockPool) -> bool:
-            return isinstance(pool.codec, DenseCodec) and pool.codec.dtype == self.dtype
-
-        block = {id(p): ((at_width(p.payload_bytes_per_block) if follows_model(p) else p.payload_bytes_per_block),
-                         p.meta_bytes_per_block) for p in self.pools.values()}
-        tables = sum(r.table_bytes for r in self.regions)
-        tables += sum(t.numel() * t.element_size() for s in self.row_scales.values() for t in s.values())
-        return {
-            "block": block, "tables": tables,
-            "buffer": at_width(2 * self.buf_k.numel() * held),
-            "buffer_meta": sum(t.numel() * t.element_size() for t in self.buf_meta.values()),
-            "full_per_token": at_width(2 * self.num_kv_heads * self.head_dim * held),
-        }
-
-    # ------------------------------------------------------------------- view
     def view(self) -> StoreView:
         """Decode every row's kept tokens into dense tensors (blocks of each region, then the buffer)."""
         B = self.batch_size
@@ -382,152 +275,6 @@ class LayerStore:
         classes = torch.cat([region[:, :cols], self.buf_meta["cls"]], dim=1)
         return StoreView(keys.transpose(1, 2), values.transpose(1, 2), positions, valid, region, phys, cols, classes)
 
-    # ------------------------------------------------------- in-place reads
-    def attention_sources(self) -> list[PagedSource]:
-        """The layer's tokens where they lie, for :func:`~kvcompose.ops.paged_decode_attention`:
-        one source per pool (the block tables of the regions sharing it side by side), then
-        the recent buffer. Nothing is copied or decoded; no host synchronization."""
-        return [source for source, _, _ in self._sources()]
-
-    def attention_sources_with(self, channel: str) -> tuple[list[PagedSource], list[torch.Tensor]]:
-        """:meth:`attention_sources` and, for each, the flat per-slot tensor of one float channel
-        (where the decode attention adds an evictor's attention mass)."""
-        parts = self._sources()
-        return [source for source, _, _ in parts], [meta[channel] for _, meta, _ in parts]
-
-    def _sources(self) -> list[tuple[PagedSource, dict, BlockPool | None]]:
-        """``(source, its flat per-slot metadata channels, its pool or None for the buffer)``
-        in :meth:`attention_sources` order."""
-        out = []
-        for name, pool in self.pools.items():
-            table = torch.cat([r.table for r in self.regions if r.pool is pool], dim=1)
-            if table.shape[1] == 0:
-                continue
-            meta = pool.flat_slots(pool.meta)
-            k, v = pool.codec.kv_operands(pool.flat_slots(pool.slots), pool.flat_groups(), self.row_scales[name])
-            out.append((PagedSource(k, v, table, pool.block_size, meta["valid"]), meta, pool))
-        B, cap = self.buf_k.shape[:2]
-        if cap:
-            flat = (B * cap, self.num_kv_heads, self.head_dim)
-            rows = torch.arange(B, device=self.device)[:, None]
-            meta = {n: t.view(-1) for n, t in self.buf_meta.items()}
-            source = PagedSource(KVOperand("dense", self.buf_k.view(flat)), KVOperand("dense", self.buf_v.view(flat)),
-                                 rows, cap, meta["valid"])
-            out.append((source, meta, None))
-        return out
-
-    def slot_state(self, channels: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """Positions (-1 where empty), live bits and float channels of every slot column, in
-        :meth:`attention_sources` order (``[B, L]`` each): what an evictor that reads no keys
-        needs, with fixed shapes."""
-        pos, valid, state = [], [], {c: [] for c in channels}
-        for source, meta, _ in self._sources():
-            slots = source.slots()
-            flat = slots.clamp(min=0)
-            live = (slots >= 0) & meta["valid"][flat]
-            pos.append(torch.where(live, meta["pos"][flat], -1))
-            valid.append(live)
-            for c in channels:
-                state[c].append(torch.where(live, meta[c][flat], 0.0))
-        return torch.cat(pos, 1), torch.cat(valid, 1), {c: torch.cat(t, 1) for c, t in state.items()}
-
-    def evict_in_place(self, evicted: torch.Tensor) -> None:
-        """Static mode: drop the ``evicted`` columns of :meth:`slot_state` with fixed shapes.
-        Block slots become holes that later groups of the same region refill first (so a
-        sliding window turns into a ring); the buffer's survivors move to its front."""
-        col = 0
-        for source, meta, pool in self._sources():
-            slots = source.slots()
-            ev = evicted[:, col:col + slots.shape[1]]
-            col += slots.shape[1]
-            if pool is None:
-                self._repack_buffer(self.buf_meta["valid"] & ~ev)
-                continue
-            target = torch.where(ev & (slots >= 0), slots, pool.trash_slot).reshape(-1)  # the rest hit the trash
-            meta["valid"].index_fill_(0, target, False)
-            meta["pos"].index_fill_(0, target, -1)
-
-    def compact_static(self, view: StoreView, keep: torch.Tensor, in_place: bool) -> None:
-        """Static mode: what a pager does after an eviction, with fixed shapes and no host read.
-
-        ``in_place`` (the ``ct`` pager): evicted slots become holes that later tokens of their
-        region refill. Otherwise (``gather``): each row's kept tokens of each region move, in
-        column order, to the row's first slots, as the eager pager's compaction leaves them.
-        ``view`` must come from :meth:`view` in static mode (every region's whole table). An
-        eviction that removed anything counts in ``evictions_on_device``."""
-        self.evictions_on_device += (view.valid & ~keep).any()
-        col = 0
-        for region in self.regions:
-            pool = region.pool
-            if not pool.codec.slot_local:
-                raise ValueError(f"format {pool.codec.name!r} shares scales across tokens; it cannot be evicted from")
-            bs = pool.block_size
-            width = region.table.shape[1] * bs
-            phys, kept = view.phys[:, col:col + width], keep[:, col:col + width]
-            col += width
-            if in_place:
-                target = torch.where(view.valid[:, col - width:col] & ~kept, phys, pool.trash_slot).reshape(-1)
-                for name, flat in pool.flat_slots(pool.meta).items():
-                    flat.index_fill_(0, target, empty_value(name))
-                continue
-            if pool.codec.group_tokens > 1:
-                raise ValueError(f"format {pool.codec.name!r} encodes {pool.codec.group_tokens} tokens together; "
-                                 "its tokens cannot be compacted one at a time")
-            order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)
-            source = phys.gather(1, order).reshape(-1)
-            count = kept.sum(1)
-            live = (torch.arange(width, device=self.device)[None, :] < count[:, None]).reshape(-1)
-            dest = phys.reshape(-1)
-            for tensors in (pool.slots, pool.meta):
-                for name, flat in pool.flat_slots(tensors).items():
-                    moved = flat[source]  # read every source before writing any destination
-                    if tensors is pool.meta:
-                        empty = torch.full_like(moved, empty_value(name))
-                        moved = torch.where(live, moved, empty)
-                    flat[dest] = moved
-            region.length.copy_(count)
-            region.num_blocks.copy_((count + bs - 1) // bs)
-        self._repack_buffer(keep[:, col:])
-
-    def evict_one(self, **choice) -> torch.Tensor:
-        """Static mode, one region: each row over ``choice["budget"]`` drops one token where it
-        lies (see :func:`~kvcompose.ops.evict_one.evict_one_in_place` for ``choice``); returns
-        ``[B]`` bool. A row that would need to drop more sets the overflow flag."""
-        source, meta, _ = self._sources()[0]
-        buffer = {"k": self.buf_k, "v": self.buf_v, **self.buf_meta}
-        return evict_one_in_place(source.table, source.block_size, meta, buffer, self.buf_len,
-                                  prompt_columns=self.prompt_columns or 0, bad=self.overflow, **choice)
-
-    def _buffer_tensors(self) -> list[tuple[torch.Tensor, int]]:
-        """Every per-slot tensor of the buffer with the value of an empty slot."""
-        return [(self.buf_k, 0), (self.buf_v, 0)] + [(t, empty_value(n)) for n, t in self.buf_meta.items()]
-
-    def _repack_buffer(self, keep: torch.Tensor) -> None:
-        """Move the buffer's ``keep`` tokens, in order, to its front (fixed shapes)."""
-        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
-        count = keep.sum(1)
-        kept = torch.arange(keep.shape[1], device=self.device)[None, :] < count[:, None]
-        for t, fill in self._buffer_tensors():
-            index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand_as(t)
-            shape = (*kept.shape, *[1] * (t.dim() - 2))
-            t.copy_(torch.where(kept.view(shape), t.gather(1, index), fill))
-        self.buf_len.copy_(count)
-
-    def add_to_slots(self, name: str, delta: torch.Tensor) -> None:
-        """Add ``[B, L]`` increments aligned with the columns of :meth:`attention_sources` to a float channel."""
-        col = 0
-        for source, meta, _ in self._sources():
-            slots = source.slots()
-            d = delta[:, col:col + slots.shape[1]].to(torch.float32)
-            ok = slots >= 0  # missing blocks add zero to slot 0: fixed shapes, no host sync
-            meta[name].index_add_(0, slots.clamp(min=0).reshape(-1), torch.where(ok, d, 0.0).reshape(-1))
-            col += slots.shape[1]
-
-    def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Live tokens and live prompt tokens per row (``[B]`` each), read from slot metadata only."""
-        positions, valid, _ = self.slot_state()
-        return valid.sum(1), (valid & (positions < (self.prompt_columns or 0))).sum(1)
-
     def channel(self, name: str, view: StoreView) -> torch.Tensor:
         """A float metadata channel, aligned with ``view``'s columns."""
         out = torch.zeros(view.valid.shape, dtype=torch.float32, device=self.device)
@@ -544,75 +291,3 @@ class LayerStore:
             at = (view.region == index) & (view.phys >= 0)
             region.pool.flat_slots(region.pool.meta)[name].index_add_(0, view.phys[at], delta[at])
         self.buf_meta[name] += delta[:, view.block_columns:]
-
-    # ------------------------------------------------------------- accounting
-    def live_tokens(self) -> torch.Tensor:
-        """Live tokens per row (``[B]``)."""
-        return sum(r.live_tokens() for r in self.regions) + self.buf_len
-
-    def check_errors(self, where: str = "kvcompose store") -> None:
-        """Raise for bad keys/values recorded on the device since the last check: NaN/inf in a
-        real token (every format, the same message, naming ``where``), a row that outgrew the
-        fixed capacity of static mode, then what encoding recorded (see
-        :meth:`SlotCodec.check_errors`). Each error is raised once."""
-        if int(self.nonfinite.item()):
-            for flag in self.error_flags():  # the codecs saw the same bad values
-                flag.zero_()
-            raise ValueError(
-                f"{where}: the model produced NaN/inf keys or values; the cache does not store them. Typical causes: "
-                "fp16 overflow (run the model in bf16 or fp32), or NaN/inf already in the inputs or weights"
-            )
-        overflow = self._overflow_flags()
-        if overflow and int(torch.stack(overflow).amax()):
-            for flag in overflow:
-                flag.zero_()
-            raise ValueError(
-                f"{where}: a sequence outgrew the capacity fixed for static decode (the buffer or a region's blocks); "
-                "tokens were lost. This is a kvcompose bug: please report it, and decode with fast=False meanwhile"
-            )
-        for pool in self.pools.values():
-            pool.codec.check_errors()
-
-    def _overflow_flags(self) -> list[torch.Tensor]:
-        return [self.overflow] + [r.overflow for r in self.regions] if self.static else []
-
-    def error_flags(self) -> list[torch.Tensor]:
-        """The device error flags of this layer (non-finite input, static-capacity overflow,
-        then its codecs'; see :meth:`SlotCodec.error_flags`), so a caller can test many with
-        one synchronization."""
-        return [self.nonfinite] + [f.reshape(1) for f in self._overflow_flags()] + [
-            f for f in (pool.codec.error_flags() for pool in self.pools.values()) if f is not None]
-
-    def memory(self, dtype: torch.dtype | None = None) -> dict[str, int]:
-        """Bytes this layer holds, split by what they are for: ``payload`` (blocks' K/V codes and
-        scales), ``buffer`` (the recent buffer's K/V), ``metadata`` (per-slot positions and live
-        bits, block tables, per-sequence scales). Blocks count once they hold a written slot
-        (static mode reserves more: see ``allocated``). ``full``: K/V of every real token seen.
-
-        ``dtype``: count what is held in the model's dtype (full-precision blocks, the buffer,
-        the full cache) at that dtype's width, i.e. what this cache holds when the model runs
-        in ``dtype``; quantized payload and metadata do not depend on it. None: as held.
-        ``saved_by_sharing``: what the block-table entries that share another's block (share
-        pager) would hold in blocks of their own."""
-        sizes = self._sizes(dtype)
-        payload = block_meta = allocated = shared = 0
-        for r in self.regions:
-            blocks = int(r.blocks_written())
-            per_payload, per_meta = sizes["block"][id(r.pool)]
-            payload += blocks * per_payload
-            block_meta += blocks * per_meta
-            if r.pool.refs is not None:
-                shared += int(r.shared_entries().sum()) * (per_payload + per_meta)
-        for pool in self.pools.values():
-            allocated += pool.capacity * sum(sizes["block"][id(pool)])
-        metadata = block_meta + sizes["tables"] + sizes["buffer_meta"]
-        fixed = sizes["tables"] + sizes["buffer"] + sizes["buffer_meta"]
-        return {
-            "payload": payload,
-            "metadata": metadata,
-            "buffer": sizes["buffer"],
-            "in_use": payload + metadata + sizes["buffer"],
-            "allocated": allocated + fixed,
-            "full": int(self.tokens_seen.sum()) * sizes["full_per_token"],
-            "saved_by_sharing": shared,
-        }

@@ -1,0 +1,153 @@
+"""Static mode of :class:`~kvcompose.paging.store.LayerStore`: what CUDA-graph decode replays.
+
+Once :meth:`StoreStatic.fix_capacity` reserves every row's blocks, a decode step appends,
+flushes and evicts with fixed shapes, in place, and never reads the device from the
+host, so one captured graph can replay every step. Overflow is flagged on the device and
+raised later by ``check_errors``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..ops.append_token import append_token
+from ..ops.evict_one import evict_one_in_place
+from .pool import empty_value
+
+if TYPE_CHECKING:
+    from .store import StoreView
+
+
+class StoreStatic:
+    """Fixed-capacity append, flush and eviction of a :class:`~kvcompose.paging.store.LayerStore`."""
+
+    def fix_capacity(self, tokens: int, columns_limit: int | None = None) -> None:
+        """Enter static mode: every region of every row gets blocks for ``tokens`` tokens now,
+        and from then on :meth:`append_step` appends one token per row with fixed shapes, in place,
+        without host synchronization: what a captured CUDA graph replays. ``columns_limit``: the
+        most columns the run will have appended (evictors that keep per-segment state size it
+        from this instead of reading the device)."""
+        if self.static:
+            raise ValueError("this store is already in static mode")
+        for pool in self.pools.values():
+            regions = [r for r in self.regions if r.pool is pool]
+            width = -(-tokens // pool.block_size)
+            need = sum(max(width, r.table.shape[1]) * self.batch_size - int((r.table >= 0).sum()) for r in regions)
+            pool.fix_capacity(need)
+            for region in regions:
+                region.fix_width(width)
+        self._grow_buffer(self.buffer_capacity)
+        self.column = torch.full((), self.columns_seen, dtype=torch.long, device=self.device)
+        self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)
+        self.static = True
+        self.columns_limit = columns_limit
+
+    def append_step(self, keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, flush: bool,
+                    query_ring: tuple | None = None) -> torch.Tensor:
+        """Static mode: append one real token per row (``[B, Hkv, 1, D]``, classes ``[B]``) and
+        return its positions ``[B, 1]``. ``flush``: the caller knows that some row's buffer
+        fills this step, so its oldest group is encoded into blocks (rows whose buffer is not
+        full write nothing). ``query_ring``: the caller's ring of recent queries, written in
+        the same launch (see :func:`~kvcompose.ops.append_token.append_token`). Host counters
+        (``columns_seen``) are the caller's to advance."""
+        positions = append_token(keys, values, self.buf_k, self.buf_v, self.buf_meta, self.buf_len, self.tokens_seen,
+                                 self.column, cls, self.overflow, self.nonfinite, ring=query_ring)
+        if flush:
+            self._flush_full_rows()
+        return positions
+
+    def _flush_full_rows(self) -> None:
+        """Rows whose buffer holds ``residual + group_size`` tokens move their oldest group to
+        blocks and shift the rest to the front (what :meth:`append` does, with fixed shapes)."""
+        G, cap = self.group_size, self.buf_k.shape[1]
+        full = self.buf_len == cap
+        first_group = full[:, None] & (torch.arange(cap, device=self.device) < G)
+        self.encode_and_place(self.buf_k, self.buf_v, self.buf_meta, first_group, aligned=True)
+        for t, fill in self._buffer_tensors():
+            shifted = torch.cat([t[:, G:], torch.full_like(t[:, :G], fill)], dim=1)
+            t.copy_(torch.where(full.view(-1, *[1] * (t.dim() - 1)), shifted, t))
+        self.buf_len -= full * G
+
+    def evict_in_place(self, evicted: torch.Tensor) -> None:
+        """Static mode: drop the ``evicted`` columns of :meth:`slot_state` with fixed shapes.
+        Block slots become holes that later groups of the same region refill first (so a
+        sliding window turns into a ring); the buffer's survivors move to its front."""
+        col = 0
+        for source, meta, pool in self._sources():
+            slots = source.slots()
+            ev = evicted[:, col:col + slots.shape[1]]
+            col += slots.shape[1]
+            if pool is None:
+                self._repack_buffer(self.buf_meta["valid"] & ~ev)
+                continue
+            target = torch.where(ev & (slots >= 0), slots, pool.trash_slot).reshape(-1)  # the rest hit the trash
+            meta["valid"].index_fill_(0, target, False)
+            meta["pos"].index_fill_(0, target, -1)
+
+    def compact_static(self, view: StoreView, keep: torch.Tensor, in_place: bool) -> None:
+        """Static mode: what a pager does after an eviction, with fixed shapes and no host read.
+
+        ``in_place`` (the ``ct`` pager): evicted slots become holes that later tokens of their
+        region refill. Otherwise (``gather``): each row's kept tokens of each region move, in
+        column order, to the row's first slots, as the eager pager's compaction leaves them.
+        ``view`` must come from :meth:`view` in static mode (every region's whole table). An
+        eviction that removed anything counts in ``evictions_on_device``."""
+        self.evictions_on_device += (view.valid & ~keep).any()
+        col = 0
+        for region in self.regions:
+            pool = region.pool
+            if not pool.codec.slot_local:
+                raise ValueError(f"format {pool.codec.name!r} shares scales across tokens; it cannot be evicted from")
+            bs = pool.block_size
+            width = region.table.shape[1] * bs
+            phys, kept = view.phys[:, col:col + width], keep[:, col:col + width]
+            col += width
+            if in_place:
+                target = torch.where(view.valid[:, col - width:col] & ~kept, phys, pool.trash_slot).reshape(-1)
+                for name, flat in pool.flat_slots(pool.meta).items():
+                    flat.index_fill_(0, target, empty_value(name))
+                continue
+            if pool.codec.group_tokens > 1:
+                raise ValueError(f"format {pool.codec.name!r} encodes {pool.codec.group_tokens} tokens together; "
+                                 "its tokens cannot be compacted one at a time")
+            order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)
+            source = phys.gather(1, order).reshape(-1)
+            count = kept.sum(1)
+            live = (torch.arange(width, device=self.device)[None, :] < count[:, None]).reshape(-1)
+            dest = phys.reshape(-1)
+            for tensors in (pool.slots, pool.meta):
+                for name, flat in pool.flat_slots(tensors).items():
+                    moved = flat[source]  # read every source before writing any destination
+                    if tensors is pool.meta:
+                        empty = torch.full_like(moved, empty_value(name))
+                        moved = torch.where(live, moved, empty)
+                    flat[dest] = moved
+            region.length.copy_(count)
+            region.num_blocks.copy_((count + bs - 1) // bs)
+        self._repack_buffer(keep[:, col:])
+
+    def evict_one(self, **choice) -> torch.Tensor:
+        """Static mode, one region: each row over ``choice["budget"]`` drops one token where it
+        lies (see :func:`~kvcompose.ops.evict_one.evict_one_in_place` for ``choice``); returns
+        ``[B]`` bool. A row that would need to drop more sets the overflow flag."""
+        source, meta, _ = self._sources()[0]
+        buffer = {"k": self.buf_k, "v": self.buf_v, **self.buf_meta}
+        return evict_one_in_place(source.table, source.block_size, meta, buffer, self.buf_len,
+                                  prompt_columns=self.prompt_columns or 0, bad=self.overflow, **choice)
+
+    def _buffer_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every per-slot tensor of the buffer with the value of an empty slot."""
+        return [(self.buf_k, 0), (self.buf_v, 0)] + [(t, empty_value(n)) for n, t in self.buf_meta.items()]
+
+    def _repack_buffer(self, keep: torch.Tensor) -> None:
+        """Move the buffer's ``keep`` tokens, in order, to its front (fixed shapes)."""
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+        count = keep.sum(1)
+        kept = torch.arange(keep.shape[1], device=self.device)[None, :] < count[:, None]
+        for t, fill in self._buffer_tensors():
+            index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand_as(t)
+            shape = (*kept.shape, *[1] * (t.dim() - 2))
+            t.copy_(torch.where(kept.view(shape), t.gather(1, index), fill))
+        self.buf_len.copy_(count)
