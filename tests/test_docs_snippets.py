@@ -147,13 +147,13 @@ def _needs_model(blocks: list[Block]) -> bool:
     )
 
 
-def _params():
+def _pages(with_model: bool) -> list[str]:
+    pages = []
     for path in PAGES:
         blocks = blocks_of(path)
-        if not any(b.lang in ("python", "bash", "json", "toml") for b in blocks):
-            continue
-        marks = [pytest.mark.model, pytest.mark.slow] if _needs_model(blocks) else []
-        yield pytest.param(path, marks=marks, id=str(path.relative_to(ROOT)))
+        if any(b.lang in ("python", "bash", "json", "toml") for b in blocks) and _needs_model(blocks) == with_model:
+            pages.append(str(path.relative_to(ROOT)))
+    return pages
 
 
 # --- the embedded model, loaded once ------------------------------------------------------------
@@ -413,29 +413,31 @@ def _main(out: str, pages: list[str]) -> None:
     Path(out).write_text(json.dumps(results))
 
 
-@pytest.fixture(scope="module")
-def page_results(request, tmp_path_factory):
-    """Run every selected, unskipped page once, in one child process."""
+def _run_pages(pages: list[str], tmp_path: Path) -> None:
+    """Run the pages in one child process and fail with every failing page's traceback."""
     import kvcompose
 
-    pages = sorted(
-        str(item.callspec.params["path"].relative_to(ROOT)) for item in request.session.items
-        if item.originalname == "test_code_blocks_of_the_page_run" and not item.get_closest_marker("skip")
-    )
-    out = tmp_path_factory.mktemp("docs") / "results.json"
+    out = tmp_path / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = str(Path(kvcompose.__file__).resolve().parents[1])
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")])))
     run = subprocess.run([sys.executable, __file__, str(out), *pages], env=env, capture_output=True,
                          text=True, timeout=1800)
     assert run.returncode == 0 and out.exists(), run.stderr[-4000:]
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    assert sorted(results) == sorted(pages)
+    failed = {page: result for page, result in results.items() if result != "ok"}
+    assert not failed, "\n\n".join(f"{page}:\n{result}" for page, result in failed.items())
 
 
-@pytest.mark.parametrize("path", list(_params()))
-def test_code_blocks_of_the_page_run(path, page_results):
-    result = page_results[str(path.relative_to(ROOT))]
-    assert result == "ok", result
+def test_code_blocks_of_pages_without_the_model_run(tmp_path):
+    _run_pages(_pages(with_model=False), tmp_path)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_code_blocks_of_pages_with_the_model_run(tmp_path):
+    _run_pages(_pages(with_model=True), tmp_path)
 
 
 if __name__ == "__main__":
