@@ -8,7 +8,7 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 TORCH ?= torch==2.13.0
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo test test-gpu docs docs-serve bench clean
+.PHONY: setup demo test test-oldest test-gpu docs docs-serve bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,21 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/kvcompose generate --preset streamingllm --budget 64 --max-new-tokens 256
 
-# The suite runs on up to 4 worker processes, one CPU thread each (tests/conftest.py): 7:42 of tests on the 2-core CI machine.
+# The suite runs on up to 4 worker processes, one CPU thread each (tests/conftest.py).
 test: setup
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist load
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+# The same suite on the oldest transformers pyproject.toml allows, in its own virtualenv.
+OLDEST_TRANSFORMERS ?= transformers==5.17.0
+OLD_VENV ?= .venv-oldest
+$(OLD_VENV)/.oldest: pyproject.toml Makefile
+	$(MAKE) setup VENV=$(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip -q --disable-pip-version-check install "$(OLDEST_TRANSFORMERS)"
+	touch $@
+
+test-oldest: $(OLD_VENV)/.oldest
+	$(OLD_VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 --dist load
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu
@@ -39,4 +50,4 @@ docs-serve: setup
 	$(VENV)/bin/mkdocs serve
 
 clean:
-	rm -rf $(VENV) site .pytest_cache
+	rm -rf $(VENV) $(OLD_VENV) site .pytest_cache

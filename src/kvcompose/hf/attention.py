@@ -27,7 +27,7 @@ def kvcompose_attention(module, query, key, value, attention_mask, scaling=None,
     if layer is None:
         raise UnsupportedModelError(
             f"{type(module).__name__} called the kvcompose attention with keys that did not come from a "
-            "kvcompose cache. Pass past_key_values=policy.make_cache(model) (or use policy.generate); if you did, "
+            "kvcompose cache. Pass cache=policy.make_cache(model) (or use policy.generate); if you did, "
             f"this model's attention ({type(module).__module__}) transforms keys after the cache update, a layout "
             "kvcompose does not support."
         )

@@ -1,6 +1,6 @@
 """The name under which transformers takes and returns a cache.
 
-transformers renamed ``past_key_values`` to ``cache`` (5.2x): the old name still works
+transformers renamed ``past_key_values`` to ``cache`` in 5.24: the old name still works
 there with a deprecation warning, and goes in 5.40 for ``forward`` and 6.0 for
 ``generate``; releases before the rename know only the old one. kvcompose passes
 whichever the installed version's model takes.

@@ -184,7 +184,7 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
     ``[B, prompt + new]`` ids like ``model.generate(..., do_sample=False)``.
 
     The way to decode fast when you drive the model yourself: it replaces
-    ``model.generate(**inputs, past_key_values=cache, do_sample=False)``. ``graphs``: replay
+    ``model.generate(**inputs, cache=cache, do_sample=False)``. ``graphs``: replay
     captured CUDA graphs (default: on CUDA). Rows that produced an EOS continue with
     ``pad_token_id``, and decoding stops when all have (one host synchronization per step,
     only when ``eos_token_id`` is given). ``profile`` (CUDA): time the steps by kind, see
