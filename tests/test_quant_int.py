@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvcompose.ops import quant_int as ops
-from kvcompose.ops.quant_common import unpack_codes
+from kvcompose.ops.layout import unpack_codes
 from quant_data import gpu, make, rel_err, same_bits
 from quant_data import needs_interpreter as needs_interpreter_for
 

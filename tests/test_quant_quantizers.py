@@ -164,8 +164,9 @@ DEFERRED = [FP8Quantizer(), NVFP4Quantizer(), TernaryQuantizer(), IntQuantizer(b
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_caller_flags_defer_the_error_to_check_flags(q, bad):
     """With ``flags`` the kernels only record bad input; check_flags raises it later."""
-    from kvcompose.ops.quant_common import check_flags, interpreted, new_flags
+    from kvcompose.ops.checks import check_flags, new_flags
     from kvcompose.ops.quant_fp8 import _fp8_quantize_kernel
+    from kvcompose.ops.triton_shim import interpreted
 
     if not interpreted(_fp8_quantize_kernel):
         pytest.skip("kernels were defined without TRITON_INTERPRET=1")

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .quant_common import cdiv
+from .triton_shim import cdiv
 
 # Launch shape of the partial kernel: (tokens per tile, warps). One warp on 32-token tiles keeps
 # 9-12 programs resident per SM (registers bound them: 170-240 per thread). Swept on an H200

@@ -40,21 +40,10 @@ import torch
 
 from ..device_constants import device_constant
 from .attention_launch import PROGRAMS_PER_SM, TILE_SHAPE, plan_splits, resident_programs
-from .quant_common import (
-    HAS_TRITON,
-    OUT_KINDS,
-    cdiv,
-    e2m1_decode_tl,
-    e4m3_decode_tl,
-    interpreted,
-    jit,
-    next_pow2,
-    out_buffer,
-    step_kernel_runs,
-    store_out_tl,
-    tl,
-    unpack_codes,
-)
+from .dispatch import step_kernel_runs
+from .layout import OUT_KINDS, out_buffer, store_out_tl, unpack_codes
+from .numerics import e2m1_decode_tl, e4m3_decode_tl
+from .triton_shim import HAS_TRITON, cdiv, interpreted, jit, next_pow2, tl
 from .quant_fp8 import fp8_dequantize_torch
 from .quant_int import int_token_dequantize_torch
 from .quant_nvfp4 import nvfp4_dequantize_torch

@@ -32,31 +32,21 @@ from __future__ import annotations
 
 import torch
 
-from .quant_common import (
+from .checks import (
     FLAG_RANGE,
-    LAUNCH_OPTS,
-    cdiv,
     check_flag_tensor,
     check_input,
     check_shape,
     flag_bits,
-    jit,
-    max_nan_tl,
-    min_nan_tl,
     new_flags,
-    next_pow2,
     nonfinite_tl,
-    out_buffer,
-    pack_codes,
     raise_on_flags,
-    recip_tl,
-    reciprocal,
     set_flag_tl,
-    store_out_tl,
-    tl,
-    unpack_codes,
-    use_triton,
 )
+from .dispatch import use_triton
+from .layout import out_buffer, pack_codes, store_out_tl, unpack_codes
+from .numerics import max_nan_tl, min_nan_tl, recip_tl, reciprocal
+from .triton_shim import LAUNCH_OPTS, cdiv, jit, next_pow2, tl
 
 FORMAT = "int"
 BITS = (2, 4, 8)
@@ -467,7 +457,7 @@ def _run_checked(kernel_call, x: torch.Tensor, bits: int, flags: torch.Tensor | 
     """Run a quantize kernel with an error flag, then raise what the torch path would (one host sync).
 
     With a caller-owned ``flags`` the errors are only recorded there (no synchronization);
-    :func:`~kvcompose.ops.quant_common.check_flags` raises them later.
+    :func:`~kvcompose.ops.checks.check_flags` raises them later.
     """
     x = x.detach().contiguous()
     if flags is not None:
