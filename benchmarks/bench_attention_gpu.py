@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 import common
 from kvcompose import registry
-from kvcompose.ops.attention_launch import TILE_SHAPE
 from kvcompose.ops.paged_attention import (
     KVOperand,
     PagedSource,
@@ -37,6 +36,7 @@ from kvcompose.ops.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_torch,
 )
+from kvcompose.ops.paged_attention.launch import TILE_SHAPE
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, BUFFER = 32, 8, 128, 16, 16
 SHAPES = [(1, 32768), (16, 8192), (64, 4096), (256, 1024)]
