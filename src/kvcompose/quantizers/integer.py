@@ -1,6 +1,7 @@
 """INT-k quantizer (k = 2, 4, 8): asymmetric, a scale and a minimum per group.
 
-See :mod:`kvcompose.ops.quant_int` for the arithmetic. Layouts:
+See :mod:`kvcompose.ops.quant_int` for the arithmetic and :mod:`kvcompose.ops.quant_int_channel`
+for the KIVI key layout. Layouts:
 
 - ``per_token``: keys and values alike, groups of ``group_size`` channels of one
   token (None: the whole head dim). Slot-local.
@@ -23,13 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.quant_int import (
-    BITS,
-    int_dequantize_channels,
-    int_dequantize_tokens,
-    int_quantize_channels,
-    int_quantize_tokens,
-)
+from ..ops.quant_int import BITS, int_dequantize_tokens, int_quantize_tokens
+from ..ops.quant_int_channel import int_dequantize_channels, int_quantize_channels
 from ..registry import register
 from .base import Packed, Quantizer, check_role
 
