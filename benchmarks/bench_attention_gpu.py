@@ -30,7 +30,6 @@ from harness.results import ResultLog, result_path
 from harness.table import format_table
 from harness.timing import graph_ms
 from kvcompose import registry
-from kvcompose.ops.attention_launch import TILE_SHAPE
 from kvcompose.ops.paged_attention import (
     KVOperand,
     PagedSource,
@@ -38,6 +37,7 @@ from kvcompose.ops.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_torch,
 )
+from kvcompose.ops.paged_attention.launch import TILE_SHAPE
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, BUFFER = 32, 8, 128, 16, 16
 SHAPES = [(1, 32768), (16, 8192), (64, 4096), (256, 1024)]

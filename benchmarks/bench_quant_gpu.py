@@ -63,7 +63,7 @@ from harness.results import ResultLog, result_path
 from harness.table import format_table
 from harness.timing import call_times_ms, capture_graph, sync
 from kvcompose import registry
-from kvcompose.ops.quant_common import flag_bits, new_flags
+from kvcompose.ops.checks import flag_bits, new_flags
 
 TARGET = 0.70  # fraction of copy bandwidth asked for
 
@@ -225,8 +225,8 @@ def bench_format(label: str, n: int, device: torch.device, cfg: Config, copy_tbp
 
 
 def _interpreted() -> bool:
-    from kvcompose.ops.quant_common import interpreted
     from kvcompose.ops.quant_fp8 import _fp8_quantize_kernel
+    from kvcompose.ops.triton_shim import interpreted
 
     return interpreted(_fp8_quantize_kernel)
 

@@ -28,8 +28,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    from kvcompose.ops.quant_common import HAS_TRITON, interpreted
     from kvcompose.ops.quant_fp8 import _fp8_quantize_kernel
+    from kvcompose.ops.triton_shim import HAS_TRITON, interpreted
 
     has_gpu = torch.cuda.is_available()
     compiled = HAS_TRITON and not interpreted(_fp8_quantize_kernel)

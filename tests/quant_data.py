@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcompose.ops.quant_common import HAS_TRITON, interpreted
+from kvcompose.ops.triton_shim import HAS_TRITON, interpreted
 
 gpu = pytest.mark.gpu  # conftest skips it without a GPU or with interpreted kernels
 

@@ -48,9 +48,9 @@ def forced_step_kernels(monkeypatch) -> set:
     import pkgutil
 
     import kvcompose.ops
-    from kvcompose.ops import quant_common
+    from kvcompose.ops import dispatch
 
-    runs = quant_common.step_kernel_runs
+    runs = dispatch.step_kernel_runs
 
     picked = set()
 
@@ -60,8 +60,8 @@ def forced_step_kernels(monkeypatch) -> set:
             picked.add(kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__)
         return chosen
 
-    for info in pkgutil.iter_modules(kvcompose.ops.__path__):
-        module = importlib.import_module(f"kvcompose.ops.{info.name}")
+    for info in pkgutil.walk_packages(kvcompose.ops.__path__, "kvcompose.ops."):
+        module = importlib.import_module(info.name)
         if getattr(module, "step_kernel_runs", None) is runs:
             monkeypatch.setattr(module, "step_kernel_runs", forced)
     return picked

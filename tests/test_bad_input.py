@@ -263,7 +263,7 @@ def _paged(query, sources=None, **kw):
 
 
 def _deferred_nan(_):
-    from kvcompose.ops.quant_common import check_flags, new_flags
+    from kvcompose.ops.checks import check_flags, new_flags
     from kvcompose.ops.quant_fp8 import fp8_quantize
 
     flags = new_flags("cpu")

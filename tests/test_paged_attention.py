@@ -6,15 +6,16 @@ import torch.nn.functional as F
 
 from conftest import greedy, left_padded, tiny_model
 from kvcompose import Policy, registry
-from kvcompose.ops import attention_launch
-from kvcompose.ops.attention_launch import fewest_waves
 from kvcompose.ops.paged_attention import (
     EXACT_FORMATS,
     KVOperand,
     PagedSource,
+    kernels,
+    launch,
     paged_decode_attention,
     paged_decode_attention_torch,
 )
+from kvcompose.ops.paged_attention.launch import fewest_waves
 
 FORMATS = ["dense", "fp8", "nvfp4", "ternary", "int", "int_channel"]
 TWO_WARP_SHAPE = (64, 2)  # a launch shape other than the default (tokens per tile, warps)
@@ -99,8 +100,6 @@ def test_kernel_matches_reference_every_format(fmt, group, head_dim):
 def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monkeypatch):
     """KIVI keys whose tile lies in one token group are scored with the group scale in the
     queries; tiles longer than the group decode every key. Both match the reference."""
-    from kvcompose.ops import paged_attention as pa
-
     g = torch.Generator().manual_seed(token_group)
     lengths = [70, 0, 33, 129]
     table, valid, row_of = block_table(lengths, bs, True, g)
@@ -110,8 +109,8 @@ def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monke
     key = KVOperand("int_channel", p.codes, p.scale, p.minimum, bits=2, token_group=token_group)
     src = PagedSource(key, operand("int", v, row_of, len(lengths), "value", g), table, bs, valid)
     query = torch.randn(len(lengths), 8, 1, 64).to(torch.bfloat16)
-    for shape in (TWO_WARP_SHAPE, attention_launch.TILE_SHAPE):
-        monkeypatch.setattr(pa, "TILE_SHAPE", shape)
+    for shape in (TWO_WARP_SHAPE, launch.TILE_SHAPE):
+        monkeypatch.setattr(launch, "TILE_SHAPE", shape)
         assert source_constants(query, src)["KFOLD"] == (shape[0] <= token_group)
         check_close(query, [src])
     assert not source_constants(query.half(), src)["KFOLD"]  # q * scale could overflow fp16
@@ -119,9 +118,7 @@ def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monke
 
 def source_constants(query, src) -> dict:
     """The compile-time constants the launcher picks for one source."""
-    from kvcompose.ops import paged_attention as pa
-
-    return dict(zip(pa.SOURCE_CONSTS, pa._partial_launch(query, [src], False)[1]["CONSTS"][0]))
+    return dict(zip(launch.SOURCE_CONSTS, launch._partial_launch(query, [src], False)[1]["CONSTS"][0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -133,9 +130,7 @@ def test_kernel_matches_reference_other_dtypes(dtype):
 def test_mixed_formats_holes_and_buffer_in_one_call(monkeypatch):
     """ThinKV's layout: an NVFP4 pool (R and E), a ternary pool (T) with holes, the bf16 buffer;
     all three in one partial launch (then one merge)."""
-    from kvcompose.ops import paged_attention as pa
-
-    launches = count_launches(monkeypatch, pa._paged_partial_kernel, pa._merge_kernel)
+    launches = count_launches(monkeypatch, kernels._paged_partial_kernel, kernels._merge_kernel)
     lengths = [50, 3, 90]
     sources = [make_source("nvfp4", lengths, 2, 64, seed=1), make_source("ternary", lengths, 2, 64, holes=True, seed=2),
                make_source("dense", [5, 0, 15], 2, 64, bs=15, seed=3)]
@@ -146,21 +141,17 @@ def test_mixed_formats_holes_and_buffer_in_one_call(monkeypatch):
 @pytest.mark.parametrize("width", [64, 16])
 def test_merge_by_whole_rows_or_channel_slices(width, monkeypatch):
     """The merge takes a whole row's channels per program, or slices of them: the same attention."""
-    from kvcompose.ops import paged_attention as pa
-
-    monkeypatch.setattr(pa, "merge_width", lambda pairs, D, device: width)
+    monkeypatch.setattr(launch, "merge_width", lambda pairs, D, device: width)
     src = make_source("nvfp4", [50, 3, 90], 2, 64, holes=True, seed=6)
     check_close(torch.randn(3, 8, 1, 64).to(torch.bfloat16), [src])
 
 
 def test_merge_slices_only_where_few_pairs_would_idle_a_gpu():
-    from kvcompose.ops import paged_attention as pa
-
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert pa.merge_width(32, 128, cuda) == pa.MERGE_SLICE < 128
-    assert pa.merge_width(pa.MERGE_ROWS, 128, cuda) == 128
-    assert pa.merge_width(32, 128, cpu) == 128  # the interpreter pays per program
-    assert pa.merge_width(32, 16, cuda) == 16
+    assert launch.merge_width(32, 128, cuda) == launch.MERGE_SLICE < 128
+    assert launch.merge_width(launch.MERGE_ROWS, 128, cuda) == 128
+    assert launch.merge_width(32, 128, cpu) == 128  # the interpreter pays per program
+    assert launch.merge_width(32, 16, cuda) == 16
 
 
 def count_launches(monkeypatch, *kernels) -> dict:
@@ -177,9 +168,7 @@ def count_launches(monkeypatch, *kernels) -> dict:
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4", "int_channel"])
 def test_two_warp_tiles_match_reference(fmt, monkeypatch):
     """The kernel also runs 64-token tiles on two warps (what the launch-shape sweep compares): same attention."""
-    from kvcompose.ops import paged_attention as pa
-
-    monkeypatch.setattr(pa, "TILE_SHAPE", TWO_WARP_SHAPE)
+    monkeypatch.setattr(launch, "TILE_SHAPE", TWO_WARP_SHAPE)
     lengths = [50, 3, 90]
     sources = [make_source(fmt, lengths, 2, 64, holes=True, seed=5), make_source("dense", [5, 0, 15], 2, 64, bs=15)]
     query = torch.randn(3, 8, 1, 64).to(torch.bfloat16)
@@ -348,15 +337,13 @@ def test_splits_fill_whole_waves(rows, tokens, slots, block, expected):
 
 @pytest.mark.gpu
 def test_cuda_split_plan_reads_the_compiled_kernel(monkeypatch):
-    from kvcompose.ops import paged_attention as pa
-
     src = make_source("nvfp4", [4096] * 2, 8, 128, device="cuda")
     query = torch.zeros(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    for shape in (TWO_WARP_SHAPE, attention_launch.TILE_SHAPE):
-        monkeypatch.setattr(pa, "TILE_SHAPE", shape)
-        launch = pa._partial_launch(query, [src], False)
-        resident = pa._resident(query, launch, src.tokens)
-        assert 1 <= resident <= 32 and resident == pa._resident(query, launch, src.tokens)
+    for shape in (TWO_WARP_SHAPE, launch.TILE_SHAPE):
+        monkeypatch.setattr(launch, "TILE_SHAPE", shape)
+        variant = launch._partial_launch(query, [src], False)
+        resident = launch._resident(query, variant, src.tokens)
+        assert 1 <= resident <= 32 and resident == launch._resident(query, variant, src.tokens)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvcompose.ops import quant_int as ops
-from kvcompose.ops.quant_common import unpack_codes
+from kvcompose.ops import quant_int_channel as channel_ops
+from kvcompose.ops.layout import unpack_codes
 from quant_data import gpu, make, rel_err, same_bits
 from quant_data import needs_interpreter as needs_interpreter_for
 
@@ -26,11 +27,11 @@ def check_tokens(x, bits, gs, sdt):
 
 
 def check_channels(x, bits, g, sdt):
-    ref = ops.int_quantize_channels(x, bits, g, sdt, backend="torch")
-    tri = ops.int_quantize_channels(x, bits, g, sdt, backend="triton")
+    ref = channel_ops.int_quantize_channels(x, bits, g, sdt, backend="torch")
+    tri = channel_ops.int_quantize_channels(x, bits, g, sdt, backend="triton")
     assert all(same_bits(a, b) for a, b in zip(ref, tri))
-    d_ref = ops.int_dequantize_channels(*ref, bits, g, backend="torch")
-    assert same_bits(d_ref, ops.int_dequantize_channels(*ref, bits, g, backend="triton"))
+    d_ref = channel_ops.int_dequantize_channels(*ref, bits, g, backend="torch")
+    assert same_bits(d_ref, channel_ops.int_dequantize_channels(*ref, bits, g, backend="triton"))
     return ref
 
 
@@ -70,7 +71,7 @@ def test_channel_kernel_matches_reference(shape, dtype, kind, bits, g, sdt):
 @needs_interpreter
 @pytest.mark.parametrize("chunk", [4, 32])
 def test_channel_kernel_at_other_token_chunks(chunk, monkeypatch):
-    monkeypatch.setattr(ops, "CHANNEL_QUANT_CHUNK", chunk)  # 4: several passes per group; 32: one
+    monkeypatch.setattr(channel_ops, "CHANNEL_QUANT_CHUNK", chunk)  # 4: several passes per group; 32: one
     check_channels(make_int("wide", (37, 2, 64)), 2, 8, F16)
     check_channels(make_int("outlier", (45, 1, 48), torch.bfloat16), 4, 32, F32)
 
@@ -100,14 +101,14 @@ def test_constant_and_zero_groups_are_exact_with_scale_one():
     y = ops.int_dequantize_tokens(codes, scale, lo, 2, backend="torch")
     assert (y[:, 0, :16] == 0).all() and (y[:, 1, :16] == 0.75).all()
     x[:, :, 5] = 0  # a constant channel in every token group
-    codes, scale, lo = ops.int_quantize_channels(x, 4, 4, backend="torch")
+    codes, scale, lo = channel_ops.int_quantize_channels(x, 4, 4, backend="torch")
     assert (scale[:, :, 5] == 1).all()
-    assert (ops.int_dequantize_channels(codes, scale, lo, 4, 4, backend="torch")[:, :, 5] == 0).all()
+    assert (channel_ops.int_dequantize_channels(codes, scale, lo, 4, 4, backend="torch")[:, :, 5] == 0).all()
 
 
 def test_channel_groups_cover_a_short_last_group():
     x = make_int("gauss", (10, 2, 16))
-    codes, scale, lo = ops.int_quantize_channels(x, 8, 4, backend="torch")
+    codes, scale, lo = channel_ops.int_quantize_channels(x, 8, 4, backend="torch")
     assert scale.shape == (3, 2, 16) and codes.shape == (10, 2, 16)
     assert torch.equal(lo[2].float(), x[8:].amin(0).half().float())
 
@@ -130,8 +131,8 @@ def test_channel_roundtrip_error_and_outlier_channel(bits, bound):
     # measured (G = 32) 0.392 / 0.078 / 0.0046 on Gaussian and on outlier keys alike
     for kind in ("gauss", "outlier"):
         x = make_int(kind, (256, 4, 128), seed=1)
-        packed = ops.int_quantize_channels(x, bits, 32, backend="torch")
-        y = ops.int_dequantize_channels(*packed, bits, 32, backend="torch")
+        packed = channel_ops.int_quantize_channels(x, bits, 32, backend="torch")
+        y = channel_ops.int_dequantize_channels(*packed, bits, 32, backend="torch")
         assert rel_err(x, y) < bound, kind
     # the point of KIVI keys: an outlier channel hurts per-token groups, not per-channel ones
     x = make_int("outlier", (256, 4, 128), seed=1)
@@ -149,7 +150,7 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"group_size 12 must divide head_dim 32"):
         ops.int_quantize_tokens(make_int("gauss", (4, 2, 32)), 4, 12)
     with pytest.raises(ValueError, match=r"head_dim 30 is not a positive multiple of 4"):
-        ops.int_quantize_channels(make_int("gauss", (4, 2, 30)), 2)
+        channel_ops.int_quantize_channels(make_int("gauss", (4, 2, 30)), 2)
     with pytest.raises(ValueError, match=r"float16 range .* use scale_dtype=torch.float32"):
         ops.int_quantize_tokens(make_int("gauss", (4, 2, 32)) * 1e5, 4)
     big = make_int("gauss", (4, 2, 32)) * 1e5
@@ -177,12 +178,12 @@ def test_cuda_kernels_match_reference(bits, dtype, kind):
         assert same_bits(d_tri.cpu(), ops.int_dequantize_tokens(*cpu, bits, backend="torch"))
     odd = make_int(kind, (333, 3, 96), dtype, seed=5)
     for g, sdt in ((32, F16), (12, F32)):
-        cpu = ops.int_quantize_channels(odd, bits, g, sdt, backend="torch")
+        cpu = channel_ops.int_quantize_channels(odd, bits, g, sdt, backend="torch")
         oc = odd.cuda().transpose(0, 1).contiguous().transpose(0, 1)
-        ref = ops.int_quantize_channels(oc, bits, g, sdt, backend="torch")
-        tri = ops.int_quantize_channels(oc, bits, g, sdt, backend="triton")
+        ref = channel_ops.int_quantize_channels(oc, bits, g, sdt, backend="torch")
+        tri = channel_ops.int_quantize_channels(oc, bits, g, sdt, backend="triton")
         assert all(same_bits(a, b) for a, b in zip(tri, ref))
         assert all(same_bits(a.cpu(), b) for a, b in zip(tri, cpu))
-        d_tri = ops.int_dequantize_channels(*tri, bits, g, backend="triton")
-        assert same_bits(d_tri, ops.int_dequantize_channels(*ref, bits, g, backend="torch"))
-        assert same_bits(d_tri.cpu(), ops.int_dequantize_channels(*cpu, bits, g, backend="torch"))
+        d_tri = channel_ops.int_dequantize_channels(*tri, bits, g, backend="triton")
+        assert same_bits(d_tri, channel_ops.int_dequantize_channels(*ref, bits, g, backend="torch"))
+        assert same_bits(d_tri.cpu(), channel_ops.int_dequantize_channels(*cpu, bits, g, backend="torch"))

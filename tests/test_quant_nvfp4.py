@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvcompose.ops import quant_nvfp4 as ops
-from kvcompose.ops.quant_common import e2m1_decode, e4m3_decode, unpack_codes
+from kvcompose.ops.layout import unpack_codes
+from kvcompose.ops.numerics import e2m1_decode, e4m3_decode
 from quant_data import gpu, make, rel_err, same_bits
 from quant_data import needs_interpreter as needs_interpreter_for
 

@@ -164,8 +164,9 @@ DEFERRED = [FP8Quantizer(), NVFP4Quantizer(), TernaryQuantizer(), IntQuantizer(b
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_caller_flags_defer_the_error_to_check_flags(q, bad):
     """With ``flags`` the kernels only record bad input; check_flags raises it later."""
-    from kvcompose.ops.quant_common import check_flags, interpreted, new_flags
+    from kvcompose.ops.checks import check_flags, new_flags
     from kvcompose.ops.quant_fp8 import _fp8_quantize_kernel
+    from kvcompose.ops.triton_shim import interpreted
 
     if not interpreted(_fp8_quantize_kernel):
         pytest.skip("kernels were defined without TRITON_INTERPRET=1")
@@ -214,9 +215,9 @@ LAUNCH_SHAPES = [  # (ops module, launch constant, values): the kernels must sta
     ("quant_nvfp4", "TILE_BLOCKS", [64, 128, 256]), ("quant_nvfp4", "QUANT_WARPS", [1, 2, 4]),
     ("quant_nvfp4", "DEQUANT_TILE_BLOCKS", [256, 1024]),
     ("quant_ternary", "QUANT_TILE", [64, 128, 256]), ("quant_ternary", "QUANT_WARPS", [2, 4]),
-    ("quant_int", "TOKEN_QUANT", [(1024, 1), (2048, 1), (4096, 4)]), ("quant_int", "CHANNEL_QUANT_WARPS", [1, 2, 4]),
-    ("quant_int", "CHANNEL_QUANT_CHUNK", [32, 8, 4]),
-    ("quant_int", "CHANNEL_DEQUANT", [(2048, 1), (4096, 4)]),
+    ("quant_int", "TOKEN_QUANT", [(1024, 1), (2048, 1), (4096, 4)]),
+    ("quant_int_channel", "CHANNEL_QUANT_WARPS", [1, 2, 4]), ("quant_int_channel", "CHANNEL_QUANT_CHUNK", [32, 8, 4]),
+    ("quant_int_channel", "CHANNEL_DEQUANT", [(2048, 1), (4096, 4)]),
 ]
 
 
@@ -228,7 +229,8 @@ def test_cuda_kernels_match_reference_at_every_launch_shape(module, name, values
 
     mod = importlib.import_module(f"kvcompose.ops.{module}")
     quantizers = {"quant_fp8": [FP8Quantizer()], "quant_nvfp4": [NVFP4Quantizer()], "quant_ternary": [TernaryQuantizer()],
-                  "quant_int": [IntQuantizer(bits=4), IntQuantizer(bits=2, layout="kivi", token_group=32)]}[module]
+                  "quant_int": [IntQuantizer(bits=4), IntQuantizer(bits=2, layout="kivi", token_group=32)],
+                  "quant_int_channel": [IntQuantizer(bits=2, layout="kivi", token_group=32)]}[module]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1000, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
     for value in values:

@@ -138,8 +138,8 @@ def test_shared_scale_formats_refuse_eviction():
 def test_bad_values_are_recorded_at_encode_and_raised_by_check_errors(fmt):
     """Encoding does not wait for the device to say whether its input was finite: the store
     raises at its next check (the cache checks once per forward pass)."""
-    from kvcompose.ops.quant_common import interpreted
     from kvcompose.ops.quant_fp8 import _fp8_quantize_kernel
+    from kvcompose.ops.triton_shim import interpreted
 
     if not interpreted(_fp8_quantize_kernel):
         pytest.skip("kernels were defined without TRITON_INTERPRET=1")

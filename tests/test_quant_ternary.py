@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvcompose.ops import quant_ternary as ops
-from kvcompose.ops.quant_common import HAS_TRITON, e4m3_decode, e4m3_round, interpreted
+from kvcompose.ops.numerics import e4m3_decode, e4m3_round
+from kvcompose.ops.triton_shim import HAS_TRITON, interpreted
 from quant_data import gpu, make, rel_err, same_bits
 from quant_data import needs_interpreter as needs_interpreter_for
 

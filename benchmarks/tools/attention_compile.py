@@ -15,15 +15,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_sass import compile_for_hopper  # noqa: E402
 
-from kvcompose.ops import attention_launch as launch_plan  # noqa: E402
-from kvcompose.ops import paged_attention as pa  # noqa: E402
+from kvcompose.ops.paged_attention import formats, kernels, launch  # noqa: E402
 
 # (key format, value format, codes dtype, scale dtype, bits)
 PAIRS = [("dense", "dense", "bf16", "fp32", 0), ("fp8", "fp8", "u8", "fp32", 0), ("nvfp4", "nvfp4", "u8", "u8", 0),
          ("ternary", "ternary", "u8", "u8", 0), ("int", "int", "u8", "fp16", 4), ("int_channel", "int", "u8", "fp16", 2)]
 
 
-def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, block=launch_plan.TILE_SHAPE[0],
+def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, block=launch.TILE_SHAPE[0],
                     buffer=True):
     """Signature and constants of one launch: a pool in the given formats, then (``buffer``)
     the dense bf16 recent buffer on the light tile, as the store hands them over."""
@@ -32,16 +31,16 @@ def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, blo
         return ptrs + ("i32",) * 6
 
     per = 8 // bits if bits else {"nvfp4": 2, "ternary": 4}.get(kfmt, 1)
-    pool = dict(KFMT=pa.FORMATS[kfmt], VFMT=pa.FORMATS[vfmt], KBITS=bits, VBITS=bits, KGROUP=32, VGROUP=32, KTG=16,
-                KPER=per, VPER=per, KEX=kfmt in pa.EXACT_FORMATS, VEX=vfmt in pa.EXACT_FORMATS,
-                KFOLD=kfmt == "int_channel", BS=16, BLOCK=block, STAGES=pa.STAGES)  # KIVI: 16-slot token groups
+    pool = dict(KFMT=formats.FORMATS[kfmt], VFMT=formats.FORMATS[vfmt], KBITS=bits, VBITS=bits, KGROUP=32, VGROUP=32, KTG=16,
+                KPER=per, VPER=per, KEX=kfmt in formats.EXACT_FORMATS, VEX=vfmt in formats.EXACT_FORMATS,
+                KFOLD=kfmt == "int_channel", BS=16, BLOCK=block, STAGES=launch.STAGES)  # KIVI: 16-slot token groups
     dense = dict(KFMT=0, VFMT=0, KBITS=0, VBITS=0, KGROUP=1, VGROUP=1, KTG=1, KPER=1, VPER=1, KEX=False, VEX=False,
-                 KFOLD=False, BS=16, BLOCK=pa.SMALL_TILE, STAGES=pa.SMALL_STAGES)
+                 KFOLD=False, BS=16, BLOCK=launch.SMALL_TILE, STAGES=launch.SMALL_STAGES)
     sources = [source(codes, scale, codes, scale)] + ([source("bf16", "fp32", "bf16", "fp32")] if buffer else [])
-    consts = [tuple(c[n] for n in pa.SOURCE_CONSTS) for c in [pool] + ([dense] if buffer else [])]
+    consts = [tuple(c[n] for n in kernels.SOURCE_CONSTS) for c in [pool] + ([dense] if buffer else [])]
     sig = {"q_ptr": "*bf16", "out_ptr": "*fp32", "lse_ptr": "*fp32", "score_ptr": "*fp32", "total_splits": "i32",
            "total_cols": "i32", "qk_scale": "fp32", "sources": tuple(sources)}
-    return sig, dict(CONSTS=tuple(consts), NSRC=len(consts), H=8 // group if group > 1 else 8, G=group, GP=pa.query_rows(group, kfmt == "dense"),
+    return sig, dict(CONSTS=tuple(consts), NSRC=len(consts), H=8 // group if group > 1 else 8, G=group, GP=launch.query_rows(group, kfmt == "dense"),
                      D=head_dim, SCORES=scores, PREC="tf32", OUT=1, NATIVE=True)
 
 
@@ -49,30 +48,30 @@ def main(argv=None) -> int:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     count = 0
     for kfmt, vfmt, codes, scale, bits in PAIRS:
-        # the launch shape (attention_launch.TILE_SHAPE) and two warps on 64-token tiles (the sweep's
+        # the launch shape (launch.TILE_SHAPE) and two warps on 64-token tiles (the sweep's
         # alternative), each at one of the (group, head dim) cases
-        for (group, head_dim), (block, warps) in zip(((1, 64), (8, 128)), ((64, 2), launch_plan.TILE_SHAPE)):
+        for (group, head_dim), (block, warps) in zip(((1, 64), (8, 128)), ((64, 2), launch.TILE_SHAPE)):
             sig, consts = partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, kfmt == "dense", block)
-            kernel = compile_for_hopper(pa._paged_partial_kernel, sig, consts, warps)
+            kernel = compile_for_hopper(kernels._paged_partial_kernel, sig, consts, warps)
             print(f"partial {kfmt}/{vfmt} G={group} D={head_dim} tile {block} x {warps} warps: "
                   f"{len(kernel.asm['cubin'])} bytes of cubin", flush=True)
             count += 1
     # KIVI keys decoded per element (fp16 queries, token groups under 16 slots)
     sig, consts = partial_variant("int_channel", "int", "u8", "fp16", 2, 4, 128, False)
-    kivi = dict(zip(pa.SOURCE_CONSTS, consts["CONSTS"][0]), KFOLD=False)
+    kivi = dict(zip(kernels.SOURCE_CONSTS, consts["CONSTS"][0]), KFOLD=False)
     consts = dict(consts, CONSTS=(tuple(kivi.values()), consts["CONSTS"][1]), OUT=2)
-    kernel = compile_for_hopper(pa._paged_partial_kernel, dict(sig, q_ptr="*fp16"), consts, 1)
+    kernel = compile_for_hopper(kernels._paged_partial_kernel, dict(sig, q_ptr="*fp16"), consts, 1)
     print(f"partial int_channel/int per element, fp16: {len(kernel.asm['cubin'])} bytes of cubin", flush=True)
     count += 1
     sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32", "S": "i32"}
-    for warps, width in ((pa.MERGE_WARPS, 128), (pa.MERGE_WARPS, pa.MERGE_SLICE)):  # whole rows, sliced
-        kernel = compile_for_hopper(pa._merge_kernel, sig, dict(D=128, SP=128, DP=width, OUT=1, CHUNK=pa.MERGE_CHUNK),
+    for warps, width in ((launch.MERGE_WARPS, 128), (launch.MERGE_WARPS, launch.MERGE_SLICE)):  # whole rows, sliced
+        kernel = compile_for_hopper(kernels._merge_kernel, sig, dict(D=128, SP=128, DP=width, OUT=1, CHUNK=launch.MERGE_CHUNK),
                                     warps)
         print(f"merge, {warps} warps, {width} channels: {len(kernel.asm['cubin'])} bytes of cubin")
         count += 1
     sig = {"logit_ptr": "*fp32", "lse_ptr": "*fp32", "table_ptr": "*i64", "valid_ptr": "*u8", "mass_ptr": "*fp32",
            "weight_ptr": "*fp32", "W": "i32", "tokens": "i32", "col0": "i32", "total_cols": "i32"}
-    kernel = compile_for_hopper(pa._mass_kernel, sig, dict(HQ=32, HP=32, BS=16, BLOCK=pa.MASS_BLOCK), pa.WARPS)
+    kernel = compile_for_hopper(kernels._mass_kernel, sig, dict(HQ=32, HP=32, BS=16, BLOCK=launch.MASS_BLOCK), launch.WARPS)
     print(f"attention mass: {len(kernel.asm['cubin'])} bytes of cubin")
     print(f"compiled {count + 1} kernels")
     return 0

@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.tools.disasm import get_sass  # noqa: E402
 
-from kvcompose.ops import quant_fp8, quant_int, quant_nvfp4, quant_ternary  # noqa: E402
+from kvcompose.ops import quant_fp8, quant_int, quant_int_channel, quant_nvfp4, quant_ternary  # noqa: E402
 
 H, D = 8, 128  # Llama-3-8B KV shape
 
@@ -126,13 +126,13 @@ def kernels(st: int):
         yield (f"int{bits} token quantize", quant_int._int_token_quantize_kernel,
                {**token_sig, "x_ptr": "*i64" if bits == 2 else "*i32"}, {**token_const, "BITS": bits, "WORDS": True},
                warps, values)
-        yield (f"int{bits} channel quantize (KIVI keys)", quant_int._int_channel_quantize_kernel,
+        yield (f"int{bits} channel quantize (KIVI keys)", quant_int_channel._int_channel_quantize_kernel,
                {"x_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp16", "lo_ptr": "*fp16", "flag_ptr": "*i32",
                 "N": "i32", "H": "constexpr", "D": "constexpr", "G": "constexpr", "BITS": "constexpr",
                 "HALF": "constexpr", "BLOCK_G": "constexpr", "BD": "constexpr", "CHUNK": "constexpr"},
                {"H": H, "D": D, "G": 32, "BITS": bits, "HALF": True, "BLOCK_G": 32, "BD": D,
-                "CHUNK": quant_int.CHANNEL_QUANT_CHUNK},
-               quant_int.CHANNEL_QUANT_WARPS, 32 * D)
+                "CHUNK": quant_int_channel.CHANNEL_QUANT_CHUNK},
+               quant_int_channel.CHANNEL_QUANT_WARPS, 32 * D)
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .quant_common import jit, next_pow2, step_kernel_runs, tl
+from .dispatch import step_kernel_runs
+from .triton_shim import jit, next_pow2, tl
 
 FIXED_CHANNELS = ("pos", "valid", "cls")  # written by the kernel; other (float) channels get 0
 
@@ -109,7 +110,7 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, buf_k: torch.Tensor, 
     ``[B, 1]``. ``ring``: ``(query [B, Hq, 1, D], queries [B, Hq, W, D], positions [B, W])``,
     a ring of recent queries whose slot ``column % W`` takes the step's query and its
     position. Everything stays on the device. ``backend`` as the other per-step ops
-    (:func:`~kvcompose.ops.quant_common.step_kernel_runs`)."""
+    (:func:`~kvcompose.ops.dispatch.step_kernel_runs`)."""
     _check(keys, values, buf_k, buf_v, meta, cls, ring)
     if not step_kernel_runs(keys, _append_token_kernel, backend):
         return append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, column, cls, overflow,

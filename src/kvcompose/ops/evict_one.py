@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .quant_common import jit, next_pow2, step_kernel_runs, tl
+from .dispatch import step_kernel_runs
+from .triton_shim import jit, next_pow2, tl
 
 BUFFER_CHANNELS = ("k", "v", "pos", "valid", "cls")  # plus, optionally, one float slot channel
 

@@ -20,35 +20,20 @@ from __future__ import annotations
 
 import torch
 
-from .quant_common import (
+from .checks import amax_tl, bad_scale_tl, check_scale_shape, new_flags, nonfinite_tl, set_flag_tl
+from .dispatch import hw_e4m3, quantize_two_level, use_triton
+from .layout import out_buffer, per_token, scale_index_tl, store_out_tl, token_stride
+from .numerics import (
     E4M3_MAX,
-    LAUNCH_OPTS,
-    amax_tl,
-    bad_scale_tl,
-    cdiv,
-    check_scale_shape,
     e4m3_decode,
     e4m3_decode_tl,
     e4m3_encode,
     e4m3_encode_hw_tl,
     e4m3_encode_tl,
-    hw_e4m3,
-    jit,
-    new_flags,
-    next_pow2,
-    nonfinite_tl,
-    out_buffer,
-    per_token,
-    quantize_two_level,
     recip_tl,
     reciprocal,
-    scale_index_tl,
-    set_flag_tl,
-    store_out_tl,
-    tl,
-    token_stride,
-    use_triton,
 )
+from .triton_shim import LAUNCH_OPTS, cdiv, jit, next_pow2, tl
 
 FORMAT = "fp8"
 QUANT_TILE = 4096  # values per quantize program: ROWS = QUANT_TILE / next_pow2(D) (token, head) rows
@@ -112,7 +97,7 @@ def fp8_quantize_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_quantize_triton(x: torch.Tensor, scale: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
-    """Kernel version of :func:`fp8_quantize_torch` (``flags``: the error flag the kernel sets, see quant_common)."""
+    """Kernel version of :func:`fp8_quantize_torch` (``flags``: the error flag the kernel sets, see :mod:`~kvcompose.ops.checks`)."""
     x = x.contiguous()
     n, h, d = x.shape
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
@@ -157,7 +142,7 @@ def fp8_quantize(
     ``scale`` fixes the per-head scale (e.g. one per layer and head for a whole
     cache); by default it is computed from ``x``. ``backend``: None (auto), "triton", "torch".
     NaN/inf input or a scale that is not finite and > 0 raise a ValueError, at once, or
-    with ``flags`` (kernel path) later through :func:`~kvcompose.ops.quant_common.check_flags`.
+    with ``flags`` (kernel path) later through :func:`~kvcompose.ops.checks.check_flags`.
     """
     return quantize_two_level(x, scale, backend, flags, fmt=FORMAT, divisor=E4M3_MAX, multiple=1,
                               kernel=_fp8_quantize_kernel, reference=fp8_quantize_torch, launch=fp8_quantize_triton)

@@ -27,38 +27,32 @@ from __future__ import annotations
 
 import torch
 
-from .quant_common import (
-    LAUNCH_OPTS,
-    amax_tl,
-    bad_scale_tl,
+from .checks import amax_tl, bad_scale_tl, new_flags, nonfinite_tl, set_flag_tl
+from .dispatch import dequantize_block_scaled, quantize_two_level
+from .layout import (
     block_dequant_tile_tl,
+    out_buffer,
+    pack_codes,
+    per_token,
+    scale_index_tl,
+    store_out_tl,
+    token_stride,
+    unpack_codes,
+)
+from .numerics import (
     block_scale_code_tl,
     block_scale_e4m3,
-    cdiv,
-    dequantize_block_scaled,
     e2m1_decode,
     e2m1_decode_tl,
     e2m1_encode,
     e2m1_encode_tl,
     e4m3_decode,
     e4m3_encode,
-    jit,
     max_nan_tl,
-    new_flags,
-    nonfinite_tl,
-    out_buffer,
-    pack_codes,
-    per_token,
-    quantize_two_level,
     recip_tl,
     reciprocal,
-    scale_index_tl,
-    set_flag_tl,
-    store_out_tl,
-    tl,
-    token_stride,
-    unpack_codes,
 )
+from .triton_shim import LAUNCH_OPTS, cdiv, jit, tl
 
 FORMAT = "nvfp4"
 BLOCK = 16
@@ -191,7 +185,7 @@ def nvfp4_quantize(
     ``s2`` fixes the per-head second-level scale; by default it is computed from ``x``.
     ``backend``: None (auto), "triton", "torch". NaN/inf input or an ``s2`` that is
     not finite and > 0 raise a ValueError, at once, or with ``flags`` (kernel path)
-    later through :func:`~kvcompose.ops.quant_common.check_flags`.
+    later through :func:`~kvcompose.ops.checks.check_flags`.
     """
     (codes, bs), s2 = quantize_two_level(x, s2, backend, flags, fmt=FORMAT, divisor=S2_DIVISOR, multiple=BLOCK,
                                          kernel=_nvfp4_quantize_kernel, reference=nvfp4_quantize_torch,

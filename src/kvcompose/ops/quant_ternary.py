@@ -35,32 +35,20 @@ from __future__ import annotations
 
 import torch
 
-from .quant_common import (
-    E4M3_MAX,
-    LAUNCH_OPTS,
-    bad_scale_tl,
+from .checks import bad_scale_tl, new_flags, nonfinite_tl, set_flag_tl
+from .dispatch import dequantize_block_scaled, quantize_two_level
+from .layout import (
     block_dequant_tile_tl,
-    block_scale_code_tl,
-    block_scale_e4m3,
-    cdiv,
-    dequantize_block_scaled,
-    e4m3_decode,
-    e4m3_encode,
-    interpreted,
-    jit,
-    new_flags,
-    nonfinite_tl,
     out_buffer,
     pack_codes,
     per_token,
-    quantize_two_level,
     scale_index_tl,
-    set_flag_tl,
     store_out_tl,
-    tl,
     token_stride,
     unpack_codes,
 )
+from .numerics import E4M3_MAX, block_scale_code_tl, block_scale_e4m3, e4m3_decode, e4m3_encode
+from .triton_shim import LAUNCH_OPTS, cdiv, interpreted, jit, tl
 
 FORMAT = "ternary"
 BLOCK = 16
@@ -360,7 +348,7 @@ def ternary_quantize(
     ``s2`` fixes the per-head scale; by default it is computed from ``x``.
     ``backend``: None (auto), "triton", "torch". NaN/inf input or an ``s2`` that is
     not finite and > 0 raise a ValueError, at once, or with ``flags`` (kernel path)
-    later through :func:`~kvcompose.ops.quant_common.check_flags`.
+    later through :func:`~kvcompose.ops.checks.check_flags`.
     """
     (codes, bs), s2 = quantize_two_level(x, s2, backend, flags, fmt=FORMAT, divisor=E4M3_MAX, multiple=BLOCK,
                                          kernel=_ternary_quantize_kernel, reference=ternary_quantize_torch,

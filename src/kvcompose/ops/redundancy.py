@@ -56,7 +56,9 @@ import math
 
 import torch
 
-from .quant_common import FLOAT_DTYPES, cdiv, interpreted, jit, next_pow2, step_kernel_runs, tl
+from .checks import FLOAT_DTYPES
+from .dispatch import step_kernel_runs
+from .triton_shim import cdiv, interpreted, jit, next_pow2, tl
 
 EPS = 1e-8  # R-KV Eq. 5's guard against zero-norm keys
 BLOCK_ROWS = 128  # rows i per program; a multiple of BLOCK_COLS (see _launch_shape)

@@ -103,9 +103,9 @@ class Quantizer:
         formats (default: computed from ``x``). ``backend``: None (auto), "triton", "torch".
         Bad input (NaN/inf, a bad head scale) raises a ValueError at once, which costs the
         kernel path one host synchronization; pass ``flags`` (a one-element int32 tensor from
-        :func:`kvcompose.ops.quant_common.new_flags`) to have the kernels only record errors
+        :func:`kvcompose.ops.checks.new_flags`) to have the kernels only record errors
         there, without synchronizing (so the call can be captured in a CUDA graph), and raise
-        them later with :func:`kvcompose.ops.quant_common.check_flags`.
+        them later with :func:`kvcompose.ops.checks.check_flags`.
         """
         raise NotImplementedError
 

@@ -24,7 +24,7 @@ import json
 import torch
 
 from ..ops.paged_attention import KVOperand
-from ..ops.quant_common import check_flags, flag_bits, new_flags
+from ..ops.checks import check_flags, flag_bits, new_flags
 from ..paging.codec import SlotCodec
 from ..registry import to_config
 from .base import Quantizer

@@ -2,7 +2,7 @@
 
 The ``kivi`` layout follows "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
 Cache" (Liu et al., arXiv:2402.02750). See :mod:`kvcompose.ops.quant_int` for the
-arithmetic. Layouts:
+arithmetic and :mod:`kvcompose.ops.quant_int_channel` for the KIVI key layout. Layouts:
 
 - ``per_token``: keys and values alike, groups of ``group_size`` channels of one
   token (None: the whole head dim). Slot-local.
@@ -25,13 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.quant_int import (
-    BITS,
-    int_dequantize_channels,
-    int_dequantize_tokens,
-    int_quantize_channels,
-    int_quantize_tokens,
-)
+from ..ops.quant_int import BITS, int_dequantize_tokens, int_quantize_tokens
+from ..ops.quant_int_channel import int_dequantize_channels, int_quantize_channels
 from ..registry import register
 from .base import Packed, Quantizer, check_role
 

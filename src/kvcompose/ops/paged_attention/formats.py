@@ -1,0 +1,99 @@
+"""The storage formats the paged attention decodes, and the types that describe a layer's sources.
+
+Formats (``KVOperand.fmt``): ``dense`` (bf16/fp16/fp32 as stored), ``fp8`` (E4M3 codes
+times a per-(row, head) scale), ``nvfp4`` and ``ternary`` (codes, an E4M3 scale per 16
+channels, a per-(row, head) second-level scale), ``int`` (asymmetric INT-k with a
+scale and minimum per channel group of one token) and ``int_channel`` (KIVI keys:
+scale and minimum per channel over ``token_group`` consecutive slots of a block).
+
+A *source* (:class:`PagedSource`) is a pool of blocks in one storage format, addressed
+per row through a block table, with a validity bit per slot (evicted, padding and empty
+slots are off); the dense recent buffer is one more source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+#: Storage formats the op decodes, and their kernel codes (``FMT`` constexpr).
+FORMATS = {"dense": 0, "fp8": 1, "nvfp4": 2, "ternary": 3, "int": 4, "int_channel": 5}
+
+
+#: Codes per byte of the packed formats (``int`` and ``int_channel``: ``8 // bits``).
+_PER_BYTE = {"dense": 1, "fp8": 1, "nvfp4": 2, "ternary": 4}
+
+
+#: Formats whose every stored value times its block scale is exact in fp16 (an E4M3 value,
+#: or an E2M1 or ternary level times an E4M3 block scale: at most 6 significant bits, and
+#: within fp16's normal range): with a bf16 or fp16 model the kernel feeds these tiles to
+#: the tensor cores in fp16, with the queries in fp16 after a power-of-two shift per
+#: program (exact for a bf16 query) and the probabilities in fp16, and applies the
+#: per-(row, head) scale to the dot products in fp32. The reference rounds each decoded
+#: value to the model dtype instead; the kernel's products are the exact ones.
+EXACT_FORMATS = ("fp8", "nvfp4", "ternary")
+
+
+@dataclass
+class KVOperand:
+    """Keys or values of one source in their storage format.
+
+    ``codes``: per-slot payload ``[slots, H, D / codes per byte]`` (``dense``: the values
+    themselves ``[slots, H, D]``). ``scale``/``minimum``: ``nvfp4``/``ternary`` E4M3 block
+    scales ``[slots, H, D/16]`` (no minimum); ``int`` fp16/fp32 ``[slots, H, D/group]``;
+    ``int_channel`` ``[slots / token_group, H, D]``. ``head_scale``: fp32 ``[B, H]``
+    second-level scale of each row and head (``fp8``, ``nvfp4``, ``ternary``).
+    """
+
+    fmt: str
+    codes: torch.Tensor
+    scale: torch.Tensor | None = None
+    minimum: torch.Tensor | None = None
+    head_scale: torch.Tensor | None = None
+    bits: int = 0
+    token_group: int = 1
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown KV storage format {self.fmt!r}; accepted: {', '.join(FORMATS)}")
+        if self.fmt.startswith("int") and self.bits not in (2, 4, 8):
+            raise ValueError(f"{self.fmt} operand: bits={self.bits!r}; accepted: 2, 4, 8")
+        needs = {"fp8": ("head_scale",), "nvfp4": ("scale", "head_scale"), "ternary": ("scale", "head_scale"),
+                 "int": ("scale", "minimum"), "int_channel": ("scale", "minimum")}.get(self.fmt, ())
+        missing = [n for n in needs if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"{self.fmt} operand needs {', '.join(missing)}")
+
+    @property
+    def per_byte(self) -> int:
+        return 8 // self.bits if self.fmt.startswith("int") else _PER_BYTE[self.fmt]
+
+    def head_dim(self) -> int:
+        return self.codes.shape[-1] * self.per_byte
+
+
+@dataclass
+class PagedSource:
+    """One pool's worth of a layer's kept tokens: row ``b``'s token ``t`` lives in slot
+    ``table[b, t // block_size] * block_size + t % block_size`` (table entry -1: no block);
+    a slot takes part only where ``valid[slot]`` is set."""
+
+    key: KVOperand
+    value: KVOperand
+    table: torch.Tensor  # [B, W] integer block ids
+    block_size: int
+    valid: torch.Tensor  # [slots] bool
+
+    @property
+    def tokens(self) -> int:
+        """Token columns per row (``W * block_size``)."""
+        return self.table.shape[1] * self.block_size
+
+    def slots(self) -> torch.Tensor:
+        """``[B, tokens]`` slot of every token column, -1 where the block is missing."""
+        bs = self.block_size
+        t = torch.arange(self.tokens, device=self.table.device)
+        blk = self.table.long()[:, t // bs]
+        return torch.where(blk >= 0, blk * bs + t % bs, -1)
