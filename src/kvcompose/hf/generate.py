@@ -84,7 +84,7 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
         raise ValueError("policy.generate makes its own cache; do not pass cache (or past_key_values)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    from ..calibration.model_check import warn_if_calibrated_for_another_model
+    from ..classifiers.model_match import warn_if_calibrated_for_another_model
 
     warn_if_calibrated_for_another_model(policy, model)
     enc = encode_prompts(tokenizer, prompts, chat).to(model.device)

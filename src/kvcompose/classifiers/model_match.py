@@ -11,7 +11,7 @@ import os
 import re
 import warnings
 
-from .shipped import EMBEDDED_MODEL_NAME
+from ..models import EMBEDDED_MODEL_NAME
 
 __all__ = ["model_name", "same_model", "warn_if_calibrated_for_another_model"]
 
