@@ -5,7 +5,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_profile_decode_smoke_splits_a_step_by_operator(monkeypatch, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""R-KV's redundancy column sums (ops/redundancy.py): kernel == torch reference == the rkv evictor's old code.
+"""R-KV's redundancy column sums (kvcompose.ops.redundancy): kernel == torch reference == the rkv evictor's old code.
 
 The CPU runs use the Triton interpreter (``backend="triton"``); the gpu test compares the
 compiled kernel with the reference at Llama-3-8B head shapes.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvcompose.evictors import EvictionContext, RKVEvictor
-from kvcompose.evictors import redundancy as rkv_module
+from kvcompose.evictors import rkv as rkv_module
 from kvcompose.evictors.attention import reduce_heads
 from kvcompose.ops import redundancy as op
 from kvcompose.ops.redundancy import _kernel_outputs, redundancy_column_sums, redundancy_column_sums_torch

@@ -111,7 +111,7 @@ def test_compressing_presets_hold_and_allocate_less_than_a_bf16_full_cache(runs,
 
 
 if __name__ == "__main__":  # the child process
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest and its helpers
     results = {p: {run: measure(p, steps) for run, steps in RUNS.items()} for p in PRESETS}
     Path(sys.argv[1]).write_text(json.dumps(results))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "tools" / "kernel_sass.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tools" / "kernel_sass.py"
 
 
 def _can_compile_for_hopper() -> bool:

@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _summarize():
