@@ -535,7 +535,7 @@ CASES = [
          lambda m: m(input_ids=left_padded([5])[1], attention_mask=left_padded([5])[2], use_cache=False),
          UnsupportedModelError,
          "LlamaAttention called the kvcompose attention with keys that did not come from a kvcompose cache. Pass "
-         "past_key_values=policy.make_cache(model) (or use policy.generate); ..."),
+         "cache=policy.make_cache(model) (or use policy.generate); ..."),
     Case("cache-without-attention", _cache_without_kvcompose_attention, UnsupportedModelError,
          "layer 0 was updated twice without the kvcompose attention running in between: load the model with "
          "attn_implementation='kvcompose' (policy.generate does this for you)"),
