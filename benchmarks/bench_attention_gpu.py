@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from harness.results import ResultLog, result_path
 from harness.table import format_table
-from harness.timing import graph_ms
+from harness.timing import copy_tbps, graph_ms
 from kvcompose import registry
 from kvcompose.ops.paged_attention import (
     KVOperand,
@@ -96,13 +96,6 @@ def build(label: str, B: int, L: int, device) -> tuple[list[PagedSource], torch.
     return [PagedSource(key, value, table, bs, valid), buffer]
 
 
-def copy_tbps() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src), 10)
-    return 2 * src.numel() / (ms * 1e-3) / 1e12
-
-
 def sdpa_ms(query: torch.Tensor, B: int, L: int) -> tuple[float, str]:
     """bf16 SDPA over ``L`` tokens per row, flash backend with GQA (or the best backend that runs)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -134,7 +127,7 @@ def check(query, sources) -> float:
 
 
 def run(shapes, formats, repeats: int) -> tuple[float, list[dict]]:
-    copy = copy_tbps()
+    copy = copy_tbps("cuda")
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     results = []
     for B, L in shapes:

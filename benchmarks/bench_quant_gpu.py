@@ -61,7 +61,7 @@ import torch
 
 from harness.results import ResultLog, result_path
 from harness.table import format_table
-from harness.timing import call_times_ms, capture_graph, sync
+from harness.timing import call_times_ms, capture_graph, copy_times_ms, sync
 from kvcompose import registry
 from kvcompose.ops.checks import flag_bits, new_flags
 
@@ -150,15 +150,9 @@ def timing(kernel: list[float] | None, call: list[float], nbytes: int, copy_tbps
 
 
 def measure_copy(device: torch.device, cfg: Config) -> dict:
-    """Device-to-device copy bandwidth: ``dst.copy_(src)`` of ``copy_bytes``, bytes read + written."""
-    n = cfg.copy_bytes // 2
-    src = torch.randn(n, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    time_calls(lambda s: dst.copy_(s), [src], device, 10 * cfg.warmup, 1)  # bring the clocks up first
-    times = time_calls(lambda s: dst.copy_(s), [src], device, cfg.warmup, max(cfg.repeats, 10))
-    res = summary(times, 2 * src.numel() * src.element_size(), None)
-    del src, dst
-    return res
+    """Device-to-device copy bandwidth (the harness's one reference), bytes read + written."""
+    times, moved = copy_times_ms(device, cfg.copy_bytes, cfg.warmup, cfg.repeats)
+    return summary(times, moved, None)
 
 
 # ---------------------------------------------------------------------- formats

@@ -57,6 +57,30 @@ def call_times_ms(fn: Callable[[int], object], repeats: int, device, *, back_to_
     return [s.elapsed_time(e) for s, e in events]
 
 
+#: Bytes the copy-bandwidth reference moves per call (large enough to leave every cache behind).
+COPY_BYTES = 2 * 2**30
+
+
+def copy_times_ms(device, nbytes: int = COPY_BYTES, warmup: int = 3, repeats: int = 10) -> tuple[list[float], int]:
+    """The copy-bandwidth reference every benchmark's "% of copy" divides by: ``dst.copy_(src)``
+    of ``nbytes`` of bf16, eager calls issued back to back after ``10 * warmup`` calls that bring
+    the clocks up. Returns the milliseconds of each call and the bytes one call moves (read +
+    written). One reference, so that a figure in one benchmark reads like the same figure in another."""
+    src = torch.randn(max(nbytes // 2, 1), device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(10 * warmup):
+        dst.copy_(src)
+    sync(device)
+    times = call_times_ms(lambda _: dst.copy_(src), max(repeats, 10), device, back_to_back=True)
+    return times, 2 * src.numel() * src.element_size()
+
+
+def copy_tbps(device, nbytes: int = COPY_BYTES) -> float:
+    """The median copy bandwidth of :func:`copy_times_ms` in TB/s."""
+    times, moved = copy_times_ms(device, nbytes)
+    return moved / (statistics.median(times) * 1e-3) / 1e12
+
+
 def capture_graph(warm: Callable[[], object], body: Callable[[], object], device=None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``body()``, after ``warm()`` on a side stream (compiles and allocates
     outside the capture)."""
