@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import platform
 import subprocess
@@ -17,7 +18,8 @@ PACKAGES = ("torch", "triton", "transformers", "kvcompose")
 
 def environment(**extra) -> dict:
     """Where and with what a benchmark ran: date, host, hardware, versions, git commit and whether
-    the tree had local changes (``git_commit`` is None outside a git checkout). ``extra`` fields
+    the tree had local changes (``git_commit`` is None outside a git checkout), and a digest of
+    the sources that ran (:func:`source_digest`). ``extra`` fields
     (the allocator settings, ``TRITON_INTERPRET``) are added as given."""
     cuda = torch.cuda.is_available()
     commit = _git("rev-parse", "HEAD")
@@ -34,8 +36,20 @@ def environment(**extra) -> dict:
         "versions": {p: _version(p) for p in PACKAGES},
         "git_commit": commit,
         "git_dirty": bool(_git("status", "--porcelain")) if commit else None,
+        "source_sha256": source_digest(),
         **extra,
     }
+
+
+def source_digest(root: Path = REPO_ROOT) -> str:
+    """SHA-256 over the library's and the benchmarks' Python sources (path and bytes, in path
+    order). It names the code that ran even where the git metadata does not (a copied tree, a
+    dirty checkout): the same digest from a checkout of a commit means that commit's code."""
+    digest = hashlib.sha256()
+    files = sorted(p for folder in ("src", "benchmarks") for p in (root / folder).rglob("*.py"))
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _version(package: str) -> str | None:

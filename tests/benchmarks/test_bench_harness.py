@@ -48,3 +48,20 @@ def test_the_environment_is_read_from_git_and_the_device(monkeypatch):
     env = environment(allocator="x")
     assert env["allocator"] == "x" and set(env["versions"]) == {"torch", "triton", "transformers", "kvcompose"}
     assert env["git_commit"] is None or (len(env["git_commit"]) == 40 and isinstance(env["git_dirty"], bool))
+    assert len(env["source_sha256"]) == 64
+
+
+def test_the_source_digest_names_the_code_that_ran(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCH))
+    from harness.environment import source_digest
+
+    for folder in ("src", "benchmarks"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.py").write_text("x = 1\n")
+    first = source_digest(tmp_path)
+    assert source_digest(tmp_path) == first
+    (tmp_path / "src" / "a.py").write_text("x = 2\n")
+    assert source_digest(tmp_path) != first
+    (tmp_path / "src" / "a.py").write_text("x = 1\n")
+    (tmp_path / "src" / "notes.txt").write_text("not code")
+    assert source_digest(tmp_path) == first
