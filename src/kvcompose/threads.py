@@ -3,7 +3,7 @@
 torch starts one thread per core it sees. On a shared machine that oversubscribes: with
 two cores and one other busy process, every parallel op waits at its barrier for the
 thread that lost its core, and a kvcompose decode step is many small ops, so decoding
-slows down by an order of magnitude. An explicit choice always wins, in this order:
+slows down several times over. An explicit choice always wins, in this order:
 
 1. a ``threads`` argument (``kvcompose ... --threads N``, ``policy.generate(..., threads=N)``);
 2. the ``KVCOMPOSE_THREADS`` environment variable;
