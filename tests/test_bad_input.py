@@ -131,10 +131,18 @@ def _second_generate(model):
 
 
 def _second_generate_unpadded(model):
+    """A second generate on an unpadded batch: transformers drops the all-ones mask, so the
+    positions tell. Releases that keep the mask raise the mask's message (case reuse-generate)."""
     cache = Policy.from_preset("fullkv").make_cache(model)
     ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
-    greedy(model, ids, torch.ones_like(ids), 3, cache=cache)  # transformers drops the all-ones mask
     greedy(model, ids, torch.ones_like(ids), 3, cache=cache)
+    try:
+        greedy(model, ids, torch.ones_like(ids), 3, cache=cache)
+    except CacheReuseError as exc:
+        if "the attention mask covers" in str(exc):
+            pytest.skip(f"transformers {transformers.__version__} keeps the all-ones mask: case reuse-generate "
+                        "covers its message")
+        raise
 
 
 def _positions_restart(model):

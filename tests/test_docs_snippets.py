@@ -287,9 +287,21 @@ def _run_python(block: Block, namespace: dict) -> None:
     with reuse, contextlib.redirect_stdout(io.StringIO()):
         for line in setup:
             exec(compile(line, f"{block.where} (setup)", "exec"), namespace)
-        exec(compile(code, block.where, "exec"), namespace)
+        exec(compile(_for_installed_transformers(code), block.where, "exec"), namespace)
     for expr in checks:
         assert eval(expr, namespace), f"{block.where}: check failed: {expr}"
+
+
+def _for_installed_transformers(code: str) -> str:
+    """The docs pass ``cache=``; their compatibility note says releases before the rename call
+    it ``past_key_values=``. On such a release, run the block the way that note tells a reader to."""
+    from transformers import LlamaForCausalLM
+
+    from kvcompose.hf.compat import _cache_name
+
+    if _cache_name(LlamaForCausalLM) == "cache":
+        return code
+    return re.sub(r"(?<![\w.])cache=", "past_key_values=", code)
 
 
 # --- bash, json, toml ---------------------------------------------------------------------------
