@@ -37,3 +37,13 @@ def rel_err(x, y):
 
 def same_bits(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def backends_agree(quantize, dequantize, x, *args):
+    """Quantize ``x`` with the torch reference and the Triton kernel, and dequantize the
+    reference's tensors with both: each pair agrees bit for bit. Returns the reference's tensors."""
+    ref = quantize(x, *args, backend="torch")
+    tri = quantize(x, *args, backend="triton")
+    assert all(same_bits(a, b) for a, b in zip(ref, tri, strict=True))
+    assert same_bits(dequantize(*ref, backend="torch"), dequantize(*ref, backend="triton"))
+    return ref

@@ -4,20 +4,14 @@ import pytest
 import torch
 
 from kvcompose.ops import quant_fp8 as ops
-from quant_data import gpu, make, rel_err, same_bits
+from quant_data import backends_agree, gpu, make, rel_err, same_bits
 from quant_data import needs_interpreter as needs_interpreter_for
 
 needs_interpreter = needs_interpreter_for(ops._fp8_quantize_kernel)
 
 
 def check_backends_agree(x, scale=None):
-    c_ref, s_ref = ops.fp8_quantize(x, scale, backend="torch")
-    c_tri, s_tri = ops.fp8_quantize(x, scale, backend="triton")
-    assert same_bits(c_ref, c_tri) and same_bits(s_ref, s_tri)
-    d_ref = ops.fp8_dequantize(c_ref, s_ref, backend="torch")
-    d_tri = ops.fp8_dequantize(c_ref, s_ref, backend="triton")
-    assert same_bits(d_ref, d_tri)
-    return c_ref, s_ref
+    return backends_agree(ops.fp8_quantize, ops.fp8_dequantize, x, scale)
 
 
 CASES = [

@@ -6,18 +6,14 @@ import torch
 from kvcompose.ops import quant_nvfp4 as ops
 from kvcompose.ops.layout import unpack_codes
 from kvcompose.ops.numerics import e2m1_decode, e4m3_decode
-from quant_data import gpu, make, rel_err, same_bits
+from quant_data import backends_agree, gpu, make, rel_err, same_bits
 from quant_data import needs_interpreter as needs_interpreter_for
 
 needs_interpreter = needs_interpreter_for(ops._nvfp4_quantize_kernel)
 
 
 def check_backends_agree(x, s2=None):
-    ref = ops.nvfp4_quantize(x, s2, backend="torch")
-    tri = ops.nvfp4_quantize(x, s2, backend="triton")
-    assert all(same_bits(a, b) for a, b in zip(ref, tri))
-    assert same_bits(ops.nvfp4_dequantize(*ref, backend="torch"), ops.nvfp4_dequantize(*ref, backend="triton"))
-    return ref
+    return backends_agree(ops.nvfp4_quantize, ops.nvfp4_dequantize, x, s2)
 
 
 CASES = [

@@ -6,7 +6,7 @@ import torch
 from kvcompose.ops import quant_ternary as ops
 from kvcompose.ops.numerics import e4m3_decode, e4m3_round
 from kvcompose.ops.triton_shim import HAS_TRITON, interpreted
-from quant_data import gpu, make, rel_err, same_bits
+from quant_data import backends_agree, gpu, make, rel_err, same_bits
 from quant_data import needs_interpreter as needs_interpreter_for
 
 needs_interpreter = needs_interpreter_for(ops._ternary_quantize_kernel)
@@ -14,11 +14,7 @@ BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
 
 def check_backends_agree(x, s2=None):
-    ref = ops.ternary_quantize(x, s2, backend="torch")
-    tri = ops.ternary_quantize(x, s2, backend="triton")
-    assert all(same_bits(a, b) for a, b in zip(ref, tri))
-    assert same_bits(ops.ternary_dequantize(*ref, backend="torch"), ops.ternary_dequantize(*ref, backend="triton"))
-    return ref
+    return backends_agree(ops.ternary_quantize, ops.ternary_dequantize, x, s2)
 
 
 CASES = [
