@@ -179,3 +179,12 @@ def test_quantizer_round_trips_shape_and_dtype(kind, name):
     y = q.dequantize(q.quantize(x, backend="torch"), backend="torch")
     assert y.shape == x.shape and y.dtype == x.dtype
     assert 0 < q.bits_per_value_for(x.shape[-1]) < 16 and isinstance(q.slot_local, bool)
+
+
+@pytest.mark.parametrize("base", ["trigger", "pager"])
+def test_a_base_class_without_its_decision_cannot_be_built(base):
+    from kvcompose.pagers import Pager
+    from kvcompose.triggers import Trigger
+
+    with pytest.raises(TypeError, match="abstract"):
+        {"trigger": Trigger, "pager": Pager}[base]()

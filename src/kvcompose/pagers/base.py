@@ -7,13 +7,16 @@ slots free in place, or maps blocks onto one another.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from ..paging.store import LayerStore, StoreView
 
 
-class Pager:
+class Pager(ABC):
     """Base class: :meth:`compact` applies one layer's keep mask to its store."""
 
-    def compact(self, store: LayerStore, view: StoreView, keep: torch.Tensor) -> None:  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    def compact(self, store: LayerStore, view: StoreView, keep: torch.Tensor) -> None:
+        """Apply ``keep`` (``[B, L]`` over ``view``'s slots) to ``store``: what is not kept frees memory."""

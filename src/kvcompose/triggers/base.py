@@ -8,6 +8,7 @@ without Python loops over sequences.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -24,14 +25,15 @@ class TriggerInput:
     segment: int = 0  # the policy's refresh period (tokens per thought segment)
 
 
-class Trigger:
+class Trigger(ABC):
     """Base class for triggers."""
 
     #: Whether the trigger reads ``TriggerInput.budget`` (a policy without a budget is then rejected).
     needs_budget: bool = True
 
-    def plan(self, counts: TriggerInput) -> torch.Tensor:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def plan(self, counts: TriggerInput) -> torch.Tensor:
+        """Tokens each row keeps now (``[B]``; a row's stored count where it keeps all)."""
 
     def fires(self, counts: TriggerInput, keep: torch.Tensor) -> torch.Tensor:
         """Rows that compress this step (``[B]`` bool); by default those asked to keep fewer tokens."""
