@@ -62,6 +62,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, TypeVar
 
+from ..validation import check_int
+
 __all__ = [
     "MAX_CODE_STEP_CHARS",
     "MAX_FORMULA_STEP_CHARS",
@@ -422,8 +424,7 @@ def structurally_compatible(a: Tree | None, b: Tree | None, max_distance: int = 
     edit distance is at most ``max_distance`` (0, the paper's setting, demands
     identical trees).
     """
-    if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
-        raise ValueError(f"max_distance must be an integer >= 0, got {max_distance!r}")
+    check_int("max_distance", max_distance, 0, noun="an integer")
     if a is None or b is None:
         return a is None and b is None
     if max_distance == 0:

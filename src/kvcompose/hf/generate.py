@@ -8,6 +8,7 @@ import torch
 
 from .. import threads as cpu_threads
 from ..report import Report
+from ..validation import check_int
 from .attention import ATTENTION_NAME
 from .compat import cache_kwargs
 
@@ -82,8 +83,7 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
     """
     if "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
         raise ValueError("policy.generate makes its own cache; do not pass cache (or past_key_values)")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 1, noun="an integer")
     from ..classifiers.model_match import warn_if_calibrated_for_another_model
 
     warn_if_calibrated_for_another_model(policy, model)
