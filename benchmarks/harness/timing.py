@@ -1,4 +1,5 @@
-"""Timers: CUDA events on a GPU, the wall clock elsewhere, and CUDA-graph capture.
+"""Timers: CUDA events on a GPU, the wall clock elsewhere, CUDA-graph capture, and the copy
+bandwidth every "share of copy" divides by (:func:`kvcompose.speed.copy_tbps`).
 
 Each benchmark states which timing it reports (one call after a synchronize, calls issued
 back to back, graph replays); these are the pieces they are built from.
@@ -11,6 +12,11 @@ import time
 from typing import Callable
 
 import torch
+
+# The copy-bandwidth reference lives in the library, so that ``kvcompose bench`` measures its
+# floor the same way as the benchmarks: one reference, so that a figure in one benchmark reads
+# like the same figure in another.
+from kvcompose.speed import COPY_BYTES, copy_tbps, copy_times_ms  # noqa: F401 (the benchmarks import them here)
 
 
 def is_cuda(device) -> bool:
@@ -55,30 +61,6 @@ def call_times_ms(fn: Callable[[int], object], repeats: int, device, *, back_to_
     if back_to_back:
         sync(device)
     return [s.elapsed_time(e) for s, e in events]
-
-
-#: Bytes the copy-bandwidth reference moves per call (large enough to leave every cache behind).
-COPY_BYTES = 2 * 2**30
-
-
-def copy_times_ms(device, nbytes: int = COPY_BYTES, warmup: int = 3, repeats: int = 10) -> tuple[list[float], int]:
-    """The copy-bandwidth reference every benchmark's "% of copy" divides by: ``dst.copy_(src)``
-    of ``nbytes`` of bf16, eager calls issued back to back after ``10 * warmup`` calls that bring
-    the clocks up. Returns the milliseconds of each call and the bytes one call moves (read +
-    written). One reference, so that a figure in one benchmark reads like the same figure in another."""
-    src = torch.randn(max(nbytes // 2, 1), device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    for _ in range(10 * warmup):
-        dst.copy_(src)
-    sync(device)
-    times = call_times_ms(lambda _: dst.copy_(src), max(repeats, 10), device, back_to_back=True)
-    return times, 2 * src.numel() * src.element_size()
-
-
-def copy_tbps(device, nbytes: int = COPY_BYTES) -> float:
-    """The median copy bandwidth of :func:`copy_times_ms` in TB/s."""
-    times, moved = copy_times_ms(device, nbytes)
-    return moved / (statistics.median(times) * 1e-3) / 1e12
 
 
 def capture_graph(warm: Callable[[], object], body: Callable[[], object], device=None) -> torch.cuda.CUDAGraph:

@@ -1,12 +1,18 @@
 """Decode throughput of a policy against transformers' compiled static cache, on your model.
 
 What ``kvcompose bench`` and ``benchmarks/bench_e2e_gpu.py`` run. Both sides decode the
-same prompts greedily with EOS disabled. Decode time: for kvcompose from the first decode
-step (after the prefill has finished on the device) to the end; for transformers the
-run's wall time minus that of a prefill-only run; either over the decode steps.
-kvcompose decodes through the static-shape path (:func:`kvcompose.hf.static.fast_generate`,
-CUDA graphs on a GPU) after a warm-up that compiles every kernel the policy uses,
-eviction and refresh steps included.
+same prompts greedily with EOS disabled and time the same decode steps (``timed_steps``:
+every new token after the first, which the prefill produces). Decode time: for kvcompose
+from the first decode step (after the prefill has finished on the device) to the end; for
+transformers the run's wall time minus that of a prefill-only run; either over the decode
+steps. kvcompose decodes through the static-shape path
+(:func:`kvcompose.hf.static.fast_generate`, CUDA graphs on a GPU) after a warm-up that
+compiles every kernel the policy uses, eviction and refresh steps included.
+
+Each record carries the bytes a decode step must read at least (``weight_bytes_per_step``,
+``kv_bytes_read_per_step``); :func:`add_floor` turns them into ``floor_ms_per_step``, the
+time to read them once at the copy bandwidth :func:`copy_tbps` measures on the same device
+(see :data:`FLOOR_METHOD`). :func:`add_fullkv_ratios` sets each record's tok/s over fullkv's.
 
 At a fixed memory (:func:`fit_policy`, :func:`fit_transformers_static`) each side runs at
 the largest batch whose peak GPU memory, weights included, stays under a cap.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 import time
 import traceback
 
@@ -47,11 +54,101 @@ def _peak_gib() -> float | None:
 
 
 def record(batch: int, new: int, decode_s: float, kv_bytes: int, allocated: int) -> dict:
-    """The fields every run reports."""
+    """The fields every run reports. ``timed_steps``: the decode steps ``decode_s`` covers, every
+    new token after the first (the prefill produces that one); ``ms_per_step`` divides by them."""
     ms = 1e3 * decode_s / max(new - 1, 1)
-    return {"batch": batch, "new_tokens": new, "ms_per_step": ms, "tok_per_s": batch * 1e3 / ms,
-            "peak_gib": _peak_gib(), "kv_bytes": int(kv_bytes), "kv_allocated_bytes": int(allocated),
-            "decode_s": decode_s}
+    return {"batch": batch, "new_tokens": new, "timed_steps": max(new - 1, 0), "ms_per_step": ms,
+            "tok_per_s": batch * 1e3 / ms, "peak_gib": _peak_gib(), "kv_bytes": int(kv_bytes),
+            "kv_allocated_bytes": int(allocated), "decode_s": decode_s}
+
+
+# ------------------------------------------------------------------ the floor
+#: Bytes :func:`copy_times_ms` copies per call by default (large enough to leave every cache behind).
+COPY_BYTES = 2 * 2**30
+
+#: How ``floor_ms_per_step`` is computed, as stored beside the records that carry it.
+FLOOR_METHOD = (
+    "floor_ms_per_step = (weight_bytes_per_step + kv_bytes_read_per_step) / copy_tbps. Weights: every parameter "
+    "but the input embedding table, of which a step reads B rows (the whole table when tied to the LM head). KV: "
+    "kvcompose, the mean of the cache's live bytes (payload, scales, metadata, recent buffer) right after the "
+    "prefill and at the end of the timed run; transformers' static cache, its whole reserved cache, which it "
+    "attends over at every step. copy_tbps: read plus written bytes of a 2 GiB device copy over its median time."
+)
+
+
+def copy_times_ms(device, nbytes: int = COPY_BYTES, warmup: int = 3, repeats: int = 10) -> tuple[list[float], int]:
+    """The copy-bandwidth reference that every "share of copy" and every floor divides by:
+    ``dst.copy_(src)`` of ``nbytes`` of bf16 on ``device``, ``10 * warmup`` untimed calls first
+    (they bring a GPU's clocks up), then ``max(repeats, 10)`` calls: on CUDA issued back to back
+    with CUDA events around each, elsewhere timed one by one with the wall clock. Returns the
+    milliseconds of each call and the bytes one call moves (read + written)."""
+    src = torch.randn(max(nbytes // 2, 1), device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(10 * warmup):
+        dst.copy_(src)
+    cuda = torch.device(device).type == "cuda"
+    times = []
+    if cuda:
+        torch.cuda.synchronize(device)
+        events = []
+        for _ in range(max(repeats, 10)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        for _ in range(max(repeats, 10)):
+            began = time.perf_counter()
+            dst.copy_(src)
+            times.append(1e3 * (time.perf_counter() - began))
+    return times, 2 * src.numel() * src.element_size()
+
+
+def copy_tbps(device, nbytes: int = COPY_BYTES) -> float:
+    """Copy bandwidth of ``device`` in TB/s: read plus written bytes of :func:`copy_times_ms`
+    over its median call."""
+    times, moved = copy_times_ms(device, nbytes)
+    return moved / (statistics.median(times) * 1e-3) / 1e12
+
+
+def weight_bytes_per_step(model, batch: int) -> int:
+    """Bytes of the parameters one decode step of ``batch`` rows reads: every parameter in full
+    (a tied LM head counts once), except an input embedding table that is not the LM head's,
+    of which the step reads only ``batch`` rows."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is table:
+        return total
+    row = table.shape[1] * table.element_size()
+    return total - table.numel() * table.element_size() + batch * row
+
+
+def add_floor(row: dict, tbps: float) -> dict:
+    """``row`` with ``floor_ms_per_step`` (its bytes read per step at ``tbps`` TB/s, see
+    :data:`FLOOR_METHOD`) and ``floor_ratio`` (``ms_per_step`` over it); a row without its
+    bytes or its time (an error) is returned as it is."""
+    if "weight_bytes_per_step" not in row or "kv_bytes_read_per_step" not in row:
+        return row
+    floor = 1e3 * (row["weight_bytes_per_step"] + row["kv_bytes_read_per_step"]) / (tbps * 1e12)
+    out = dict(row, floor_ms_per_step=floor)
+    if row.get("ms_per_step") is not None:
+        out["floor_ratio"] = row["ms_per_step"] / floor
+    return out
+
+
+def add_fullkv_ratios(rows: list[dict], key: str = "policy") -> None:
+    """Set ``ratio_to_fullkv`` on every row with a ``tok_per_s``: its tok/s over that of the row
+    whose ``key`` is ``"fullkv"`` (rows of one run and scenario). Without a fullkv row that ran,
+    the rows get no such field."""
+    full = next((r for r in rows if r.get(key) == "fullkv" and r.get("tok_per_s")), None)
+    for r in rows:
+        r.pop("ratio_to_fullkv", None)
+        if full is not None and r.get("tok_per_s") is not None:
+            r["ratio_to_fullkv"] = r["tok_per_s"] / full["tok_per_s"]
 
 
 def time_transformers_static(model, ids: torch.Tensor, mask: torch.Tensor, new: int,
@@ -62,7 +159,10 @@ def time_transformers_static(model, ids: torch.Tensor, mask: torch.Tensor, new: 
     attention-mask width; a first run of the same length records them all and only the
     second is timed. One cache object serves every call (a new one per call would
     recompile inside the timed run). ``cache_len``: size the cache for a longer generation
-    (its step cost does not depend on the step: attention covers the whole cache)."""
+    (its step cost does not depend on the step: attention covers the whole cache).
+
+    ``kv_bytes_read_per_step``: the whole reserved cache, K and V of ``cache_len`` tokens per
+    row, which its attention spans at every step."""
     from transformers import StaticCache
 
     previous = model.config._attn_implementation
@@ -85,7 +185,8 @@ def time_transformers_static(model, ids: torch.Tensor, mask: torch.Tensor, new: 
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * model.dtype.itemsize * ids.shape[0] * cache_len
-    return dict(record(ids.shape[0], new, total - prefill, kv, kv), cache_len=cache_len)
+    return dict(record(ids.shape[0], new, total - prefill, kv, kv), cache_len=cache_len,
+                weight_bytes_per_step=weight_bytes_per_step(model, ids.shape[0]), kv_bytes_read_per_step=kv)
 
 
 def warm_up_policy(policy: Policy, budget: int = 64) -> Policy:
@@ -107,7 +208,12 @@ def warm_up_policy(policy: Policy, budget: int = 64) -> Policy:
 def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, new: int,
                 reserve_new_tokens: int | None = None, warm_up: bool = True) -> dict:
     """kvcompose's static-shape decode under ``policy``, timed over ``new`` tokens, with its
-    eager steps (evictions, refreshes) and their share of decode time (CUDA)."""
+    eager steps (evictions, refreshes) and their share of decode time (CUDA).
+
+    ``kv_bytes_read_per_step``: the mean of the cache's live bytes (its report's bytes in use
+    as held: payload, scales, metadata, recent buffer) right after the prefill
+    (``kv_live_bytes_after_prefill``, from a prefill-only run of the same prompts) and at the end
+    of the timed run (``kv_live_bytes_at_end``)."""
     if policy.needs_text:
         raise ValueError(f"policy {policy.name!r}: its {policy.needs_text} reads the generated text, so it decodes "
                          "eagerly; the speed benchmark times the static-shape path only")
@@ -118,6 +224,10 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
         if warm_up:
             fast_generate(model, warm_up_policy(policy).make_cache(model), ids, mask, 40)
             fast_generate(model, policy.make_cache(model), ids, mask, 4)
+        prefilled = policy.make_cache(model)
+        fast_generate(model, prefilled, ids, mask, 1)  # the prefill alone: the cache as decoding starts
+        after_prefill = prefilled.report().held_bytes["in_use"]
+        del prefilled
         gc.collect()  # nothing of the earlier runs may count in the timed run's peak
         _peak_reset()
         cache = policy.make_cache(model)
@@ -130,6 +240,10 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     report = cache.report()
     out = record(ids.shape[0], new, ended - decoder.started if decoder else 0.0, report.peak_kv_bytes,
                  report.allocated_bytes)
+    at_end = report.held_bytes["in_use"]
+    out.update(weight_bytes_per_step=weight_bytes_per_step(model, ids.shape[0]),
+               kv_live_bytes_after_prefill=after_prefill, kv_live_bytes_at_end=at_end,
+               kv_bytes_read_per_step=(after_prefill + at_end) / 2)
     summary = decoder.summary() if decoder is not None else {"eager_steps": 0, "replays": 0}
     evicting = summary["eager_steps"] + summary.get("eviction_steps", 0)
     out.update(eager_steps=summary["eager_steps"], eviction_steps=summary.get("eviction_steps", 0),

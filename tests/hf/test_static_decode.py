@@ -278,15 +278,35 @@ def test_cuda_host_time_leaves_out_the_graph_capture(monkeypatch):
     assert summary["host_ms_per_replay"] < 250 / replays  # half of what the capture's 500 ms would add
 
 
-def test_speed_measures_both_sides_on_cpu(llama):
+def test_speed_times_the_steps_it_says_and_evicts_exactly_past_the_budget(llama):
     from kvcompose import speed
 
     ids, mask = speed.random_prompts(96, 2, 12, "cpu")
+    policy = Policy.from_preset("rkv", budget=32, trigger={"buffer": 8})
+    short = speed.time_policy(llama, policy, ids, mask, 6)  # 12 + 6 tokens: under the budget all along
+    long = speed.time_policy(llama, policy, ids, mask, 40)  # 12 + 40 tokens: past budget + buffer
+    eager = policy.make_cache(llama)
+    greedy(llama, ids, mask, 40, cache=eager)
+    for row, new in ((short, 6), (long, 40)):
+        assert row["new_tokens"] == new and row["timed_steps"] == new - 1
+        assert row["ms_per_step"] == pytest.approx(1e3 * row["decode_s"] / (new - 1))
+        assert row["eviction_call_rate"] == row["eviction_steps"] / (new - 1)
+        assert row["eager_steps"] == 0  # R-KV's eviction is graph-safe: none runs outside the schedule
+    assert short["eviction_steps"] == 0 and short["kv_live_bytes_at_end"] > short["kv_live_bytes_after_prefill"]
+    assert long["eviction_steps"] == eager.report().eviction_steps > 0
+    prefilled = policy.make_cache(llama)
+    fast_generate(llama, prefilled, ids, mask, 1)
+    assert long["kv_live_bytes_after_prefill"] == prefilled.report().held_bytes["in_use"]
+    assert long["kv_live_bytes_at_end"] < speed.time_policy(llama, Policy.from_preset("fullkv"), ids, mask, 40)[
+        "kv_live_bytes_at_end"]  # evicted: fewer bytes held at the end than a full cache of the same tokens
+    assert long["kv_bytes_read_per_step"] == (long["kv_live_bytes_after_prefill"] + long["kv_live_bytes_at_end"]) / 2
+
     base = speed.time_transformers_static(llama, ids, mask, 6)
-    run = speed.time_policy(llama, Policy.from_preset("rkv", budget=32, trigger={"buffer": 8}), ids, mask, 6)
-    for row in (base, run):
-        assert row["batch"] == 2 and row["new_tokens"] == 6 and row["ms_per_step"] > 0 and row["kv_bytes"] > 0
-    assert base["cache_len"] == 18 and run["eager_steps"] >= 0
+    text = llama.config
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads) * 4
+    assert base["cache_len"] == 18 and base["timed_steps"] == 5
+    assert base["kv_bytes_read_per_step"] == 2 * 18 * per_token  # the whole reserved cache, every step
+    assert base["weight_bytes_per_step"] == short["weight_bytes_per_step"] == speed.weight_bytes_per_step(llama, 2)
     assert llama.config._attn_implementation == "kvcompose"  # both restore the attention implementation
 
 
