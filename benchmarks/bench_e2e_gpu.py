@@ -10,26 +10,37 @@ Scenarios (``--scenarios``):
 
 - ``a``: same batch. B=16, prompt 512, 2,048 new tokens, budget 1,024.
 - ``b``: long reasoning. B=16, prompt 512, 8,192 new tokens, budget 1,024.
+- ``long``: long prompt. B=16, prompt 8,192, 512 new tokens, budget 1,024.
 - ``c``: fixed memory. For prompt 512 + 8,192 new tokens, the largest batch whose peak GPU
   memory (weights included) stays under ``--memory-gib``, from the bytes each row reserves
   (:func:`kvcompose.speed.fit_policy`: measured at two small batches, its capacity being
   reserved at the prefill; :func:`kvcompose.speed.fit_transformers_static`: its static cache
   and prefill activations per row plus 2 GiB, counted since it recompiles per batch size),
-  then throughput at that batch over ``--window`` decode steps. A run that still runs out
-  of memory or peaks over the cap (the probes see neither the eviction graphs' scratch nor
-  a large prefill's activations) is repeated at 90% of the batch, up to ``--oom-retries``
-  times; the record lists the batches that did not fit.
+  then throughput at that batch over the first ``--window`` new tokens, on both sides. A run
+  that still runs out of memory or peaks over the cap (the probes see neither the eviction
+  graphs' scratch nor a large prefill's activations) is repeated at 90% of the batch, up to
+  ``--oom-retries`` times; the record lists the batches that did not fit.
+
+Both sides time the same decode steps (``timed_steps``): in a, b and long every new token
+after the first (the prefill produces that one), in c those of the window. The baseline's
+static cache is reserved for prompt + new tokens in every scenario.
 
 The CUDA allocator runs with ``expandable_segments:True`` (unless ``PYTORCH_CUDA_ALLOC_CONF``
 says otherwise; the JSON records it): at the batch sizes of scenario c the default
 allocator failed a 4.9 GiB prefill allocation with 13 GiB reserved but fragmented.
 
 Per run: decode ms/step (kvcompose: from the first decode step to the end; the baseline:
-wall time of the whole run minus a prefill-only run; over the decode steps), tok/s, ``ratio_to_baseline``, peak GPU memory, the policy's KV bytes, the
-share of eager steps (evictions, classifier refreshes) and their share of decode time
-(CUDA events per step), and the host's own milliseconds per replayed step.
+wall time of the whole run minus a prefill-only run; over the timed steps), tok/s,
+``ratio_to_baseline`` and ``ratio_to_fullkv`` (tok/s over the baseline's and over kvcompose
+fullkv's in the same run and scenario), the floor (``floor_ms_per_step``: weight and KV bytes
+read per step over the copy bandwidth ``copy_tbps`` measured once per run in this process, see
+:data:`kvcompose.speed.FLOOR_METHOD`; ``floor_ratio`` = ms/step over it), peak GPU memory, the
+policy's KV bytes, the share of eager steps (evictions, classifier refreshes) and their share
+of decode time (CUDA events per step), and the host's own milliseconds per replayed step.
+The environment (GPU, versions, git commit and dirty flag) is read by the script.
 
     python benchmarks/bench_e2e_gpu.py --smoke                       # tiny model, seconds
+    python benchmarks/bench_e2e_gpu.py --smoke --device cpu          # the same check without a GPU
     python benchmarks/bench_e2e_gpu.py --scenarios a --out benchmarks/results/e2e_gpu.json
 """
 
@@ -49,24 +60,35 @@ from harness.llama import llama_model  # noqa: E402
 from harness.results import ResultLog  # noqa: E402
 from harness.table import format_table  # noqa: E402
 
-from kvcompose.speed import fit_policy, fit_transformers_static  # noqa: E402
+from kvcompose.speed import (  # noqa: E402
+    FLOOR_METHOD,
+    add_floor,
+    add_fullkv_ratios,
+    copy_tbps,
+    fit_policy,
+    fit_transformers_static,
+)
 
 POLICIES = ["fullkv", "streamingllm", "snapkv", "h2o", "rkv", "rpc", "fp8", "nvfp4", "kivi2", "thinkv", "thinkv-tbq"]
 SCENARIOS = {
     "a": dict(batch=16, prompt=512, new=2048, budget=1024),
     "b": dict(batch=16, prompt=512, new=8192, budget=1024),
     "c": dict(batch=None, prompt=512, new=8192, budget=1024),
+    "long": dict(batch=16, prompt=8192, new=512, budget=1024),
 }
 SMOKE = dict(batch=4, prompt=64, new=48, budget=48)
+SMOKE_LONG = dict(batch=4, prompt=160, new=24, budget=48)  # --smoke of long: a prompt over the budget
 # ThinKV's shipped calibration belongs to the embedded model; a random model gets stand-in
 # thresholds on its first four layers (speed does not depend on the thought mix).
 THINKV_CLASSIFIER = {"name": "sparsity_kde", "thresholds": [0.5, 0.8], "layers": [0, 1, 2, 3]}
 BUDGETED = {"streamingllm", "snapkv", "h2o", "rkv", "thinkv"}
 MODEL = "random Llama-3-8B shapes, bf16"
+SMOKE_MODEL = "tiny random Llama (--smoke: bf16 on CUDA, fp32 on CPU)"
 
 
-def build_model(smoke: bool):
-    model = llama_model(smoke, "cuda", dtype=torch.bfloat16)
+def build_model(smoke: bool, device: str = "cuda"):
+    # bf16 on the GPU; the CPU check runs the tiny model in fp32 (CPU bf16 matmuls are slow)
+    model = llama_model(smoke, device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -88,7 +110,7 @@ def make_policy(name: str, budget: int, smoke: bool):
 def prompts(model, batch: int, prompt: int):
     from kvcompose.speed import random_prompts
 
-    return random_prompts(model.config.vocab_size, batch, prompt, "cuda")
+    return random_prompts(model.config.vocab_size, batch, prompt, model.device)
 
 
 def baseline_run(model, batch: int, prompt: int, new: int, cache_len: int | None = None) -> dict:
@@ -103,8 +125,8 @@ def kvcompose_run(model, policy, batch: int, prompt: int, new: int) -> dict:
     return time_policy(model, policy, *prompts(model, batch, prompt), new)
 
 
-TABLE = ["policy", "scenario", "batch", "new_tokens", "ms_per_step", "steady_ms_per_step", "one_time_s", "tok_per_s",
-         "ratio_to_baseline", "peak_gib", "eviction_call_rate", "eviction_share", "host_share", "error"]
+TABLE = ["policy", "scenario", "batch", "timed_steps", "ms_per_step", "steady_ms_per_step", "floor_ms_per_step",
+         "floor_ratio", "tok_per_s", "ratio_to_fullkv", "ratio_to_baseline", "peak_gib", "eviction_share", "error"]
 
 
 def _cell(value):
@@ -114,29 +136,38 @@ def _cell(value):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny model and lengths (checks the script)")
-    ap.add_argument("--scenarios", default="a", help="comma-separated subset of a,b,c")
+    ap.add_argument("--scenarios", default="a", help="comma-separated subset of " + ",".join(SCENARIOS))
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script without a GPU (with --smoke)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--new-tokens", type=int, default=None, help="override the scenario's new tokens (recorded)")
     ap.add_argument("--memory-gib", type=float, default=70.0, help="scenario c: GPU memory cap, weights included")
     ap.add_argument("--window", type=int, default=1536,
-                    help="decode steps timed for the baseline in b and c, and for kvcompose in c")
-    ap.add_argument("--baseline-window", type=int, default=None,
-                    help="decode steps timed for the baseline in b and c (default: --window; its step cost does "
-                         "not depend on the step)")
+                    help="scenario c: new tokens timed on both sides (the capacity is still reserved for all)")
     ap.add_argument("--oom-retries", type=int, default=4, help="scenario c: smaller batches tried after an OOM or a peak over the cap")
     ap.add_argument("--run", default=None, help="label of this run, stored in each record (e.g. b7)")
     ap.add_argument("--out", default=None, help="history file this run is added to (e.g. "
                     "benchmarks/results/e2e_gpu.json); earlier runs stay as they are")
     args = ap.parse_args(argv)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     log = open_log(args.out)
-    model = build_model(args.smoke)
+    model = build_model(args.smoke, args.device)
+    copy = copy_tbps(model.device)  # once per run, in this process: what every record's floor divides by
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # hand the copy's 4 GiB back before any memory is measured
+    print(f"copy bandwidth: {copy:.3g} TB/s", flush=True)
     names = [p for p in args.policies.split(",") if p]
     records = []
-    for scenario in args.scenarios.split(","):
-        shape = dict(SMOKE) if args.smoke else dict(SCENARIOS[scenario])
+    for scenario in scenarios:
+        shape = dict(SCENARIOS[scenario])
+        if args.smoke:
+            shape = dict(SMOKE_LONG if scenario == "long" else SMOKE)
         if args.new_tokens:
             shape["new"] = args.new_tokens
-        rows = run_scenario(model, scenario, shape, names, args, lambda rows: save(log, records + rows, args))
+        rows = run_scenario(model, scenario, shape, names, args, copy,
+                            lambda rows: save(log, records + rows, args, copy))
         records += rows
         print(format_table(TABLE, [[_cell(r.get(c)) for c in TABLE] for r in rows]), flush=True)
     return 0
@@ -150,33 +181,42 @@ def open_log(out: str | None) -> ResultLog | None:
     return ResultLog(out, environment(allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")))
 
 
-def save(log: ResultLog | None, records: list[dict], args) -> None:
+def save(log: ResultLog | None, records: list[dict], args, copy: float | None = None) -> None:
     """Write what has run so far as this run's entry of ``--out``'s history (after every record:
     a run cut off by a time limit keeps the records it finished)."""
     if log is not None:
-        log.save(run_entry(records, args.run, log.environment["date"], args.smoke))
+        log.save(run_entry(records, args.run, log.environment["date"], args.smoke, copy))
 
 
-def run_entry(records: list[dict], run: str | None, date: str, smoke: bool = False) -> dict:
+def run_entry(records: list[dict], run: str | None, date: str, smoke: bool = False,
+              copy: float | None = None) -> dict:
     """One run's entry: its records, each labelled with the run (default: the first scenario)
-    and its date; a record's ``ratio_to_baseline`` is against the baseline of the same run."""
+    and its date; a record's ``ratio_to_baseline`` and ``ratio_to_fullkv`` are against the
+    baseline and the fullkv record of the same run and scenario. ``copy_tbps``: the copy
+    bandwidth this run measured, which every record's ``floor_ms_per_step`` divides by
+    (``floor_method`` says how)."""
     run = run or records[0]["scenario"]
     for r in records:
         r.update(run=run, date=date)
-    return {"benchmark": "e2e_gpu", "run": run, "smoke": smoke, "model": MODEL, "records": records}
+    return {"benchmark": "e2e_gpu", "run": run, "smoke": smoke, "model": SMOKE_MODEL if smoke else MODEL, "copy_tbps": copy,
+            "floor_method": FLOOR_METHOD, "records": records}
 
 
-def run_scenario(model, scenario: str, shape: dict, names: list[str], args, saved=lambda rows: None) -> list[dict]:
+def run_scenario(model, scenario: str, shape: dict, names: list[str], args, copy: float,
+                 saved=lambda rows: None) -> list[dict]:
+    """The baseline, then each policy, on ``shape``; both sides time the same steps: every new
+    token in a, b and long, the first ``--window`` in c (at each side's own batch). Every record
+    gets its floor at ``copy`` TB/s and its ratios to the baseline and to fullkv."""
     prompt, new, budget = shape["prompt"], shape["new"], shape["budget"]
-    total_new = new
+    fixed_memory = scenario == "c" and not args.smoke
     rows = []
-    if scenario == "c" and not args.smoke:
-        base = fit_transformers_static(model, prompt, total_new, args.memory_gib, args.baseline_window or args.window)
+    if fixed_memory:
+        base = fit_transformers_static(model, prompt, new, args.memory_gib, min(args.window, new))
         batch = base["batch"]
     else:
         batch = shape["batch"]
-        steps = new if scenario == "a" or args.smoke else min(new, args.baseline_window or args.window)
-        base = baseline_run(model, batch, prompt, steps, cache_len=prompt + new)
+        base = baseline_run(model, batch, prompt, new, cache_len=prompt + new)
+    base = add_floor(base, copy)
     base.update(policy="transformers-static", scenario=scenario, ratio_to_baseline=1.0)
     rows.append(base)
     print(json.dumps(base), flush=True)
@@ -184,20 +224,23 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args, save
     for name in names:
         policy = make_policy(name, budget, args.smoke)
         try:
-            if scenario == "c" and not args.smoke:
-                row = fit_policy(model, policy, prompt, total_new, args.memory_gib, args.window, args.oom_retries)
+            if fixed_memory:
+                row = fit_policy(model, policy, prompt, new, args.memory_gib, min(args.window, new), args.oom_retries)
             else:
                 row = kvcompose_run(model, policy, batch, prompt, new)
         except Exception as exc:  # record what failed instead of losing the other runs
             traceback.print_exc()
             row = {"batch": batch, "new_tokens": new, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        row = add_floor(row, copy)
         row.update(policy=name, scenario=scenario)
         if "tok_per_s" in row:
             row["ratio_to_baseline"] = row["tok_per_s"] / base["tok_per_s"]
         rows.append(row)
+        add_fullkv_ratios(rows)
         print(json.dumps(row), flush=True)
         saved(rows)
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return rows
 
 

@@ -30,3 +30,33 @@ def test_generate_prints_text_and_report(capsys, tmp_path):
 
     data = json.loads(out_json.read_text())
     assert data["policy"]["budget"] == 32 and data["report"]["kv_bytes"] < data["report"]["full_kv_bytes"]
+
+
+def test_bench_reports_the_floor_and_the_ratios_for_every_run(capsys, tmp_path, monkeypatch):
+    import json
+
+    from conftest import tiny_model
+
+    from kvcompose import models, speed
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    monkeypatch.setattr(models, "load", lambda *args, **kwargs: (model, None))
+    monkeypatch.setattr(speed, "copy_tbps", lambda device: 0.02)  # a 2 GiB copy on a CPU takes half a minute
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", "--presets", "fullkv,rkv", "--budget", "32", "--batch", "2", "--prompt", "12",
+                 "--new-tokens", "8", "--threads", "1", "--json", str(out_json)]) == 0
+    header = capsys.readouterr().out.splitlines()[0].split()
+    for field in ("timed_steps", "floor_ms_per_step", "floor_ratio", "ratio_to_fullkv", "ratio_to_baseline"):
+        assert field in header
+    data = json.loads(out_json.read_text())
+    assert data["copy_tbps"] == 0.02 and "kv_bytes_read_per_step" in data["floor_method"]
+    rows = {r["preset"]: r for r in data["runs"]}
+    assert list(rows) == ["transformers-static", "fullkv", "rkv"]
+    for r in rows.values():
+        assert r["timed_steps"] == 7  # both sides time the same decode steps
+        assert r["floor_ms_per_step"] == pytest.approx(
+            1e3 * (r["weight_bytes_per_step"] + r["kv_bytes_read_per_step"]) / 0.02e12)
+        assert r["floor_ratio"] == pytest.approx(r["ms_per_step"] / r["floor_ms_per_step"])
+        assert r["ratio_to_fullkv"] == pytest.approx(r["tok_per_s"] / rows["fullkv"]["tok_per_s"])
+    assert rows["transformers-static"]["kv_bytes_read_per_step"] == rows["transformers-static"]["kv_bytes"]

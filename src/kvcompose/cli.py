@@ -181,8 +181,8 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
-BENCH_FIELDS = ["ms_per_step", "steady_ms_per_step", "one_time_s", "tok_per_s", "ratio_to_baseline", "peak_gib",
-                "eviction_call_rate", "eviction_share"]
+BENCH_FIELDS = ["timed_steps", "ms_per_step", "steady_ms_per_step", "floor_ms_per_step", "floor_ratio", "tok_per_s",
+                "ratio_to_fullkv", "ratio_to_baseline", "peak_gib", "eviction_call_rate", "eviction_share"]
 
 
 def _bench_cell(value) -> str:
@@ -216,6 +216,10 @@ def _cmd_bench(args) -> int:
     model, _ = models.load(args.model, dtype=torch.bfloat16 if cuda else torch.float32,
                            device="cuda" if cuda else None)
     model.generation_config.eos_token_id = None
+    copy_tbps = speed.copy_tbps(model.device)  # what every run's floor divides by, measured once, here
+    if cuda:
+        torch.cuda.empty_cache()  # hand the copy's memory back before any run is measured
+    window = None
     if capped:  # each side at the largest batch under the cap, timed over --window steps
         window = min(args.window, args.new_tokens)
         base = speed.fit_transformers_static(model, args.prompt, args.new_tokens, args.memory_gib, window)
@@ -229,7 +233,7 @@ def _cmd_bench(args) -> int:
 
         def run(policy):
             return speed.time_policy(model, policy, ids, mask, args.new_tokens)
-    rows = [dict(base, preset="transformers-static", ratio_to_baseline=1.0)]
+    rows = [dict(speed.add_floor(base, copy_tbps), preset="transformers-static", ratio_to_baseline=1.0)]
     for name, policy in zip(presets, policies):
         try:
             row = run(policy)
@@ -237,7 +241,9 @@ def _cmd_bench(args) -> int:
             print(f"kvcompose: {name}: out of GPU memory ({str(exc).splitlines()[0]})", file=sys.stderr)
             rows.append({"preset": name, "error": "out of memory"})
             continue
-        rows.append(dict(row, preset=name, ratio_to_baseline=row["tok_per_s"] / base["tok_per_s"]))
+        rows.append(dict(speed.add_floor(row, copy_tbps), preset=name,
+                         ratio_to_baseline=row["tok_per_s"] / base["tok_per_s"]))
+    speed.add_fullkv_ratios(rows, key="preset")
     fields = (["batch", "over_cap"] if capped else []) + BENCH_FIELDS
     width = max(len(r["preset"]) for r in rows)
     print(f"{'preset':<{width}}  " + "  ".join(f"{f:>18}" for f in fields))
@@ -249,8 +255,8 @@ def _cmd_bench(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": None if capped else args.batch, "memory_gib": args.memory_gib, "prompt": args.prompt,
-                       "new_tokens": args.new_tokens, "window": window if capped else None, "runs": rows}, f,
-                      indent=2)
+                       "new_tokens": args.new_tokens, "window": window, "copy_tbps": copy_tbps,
+                       "floor_method": speed.FLOOR_METHOD, "runs": rows}, f, indent=2)
     return 0
 
 
@@ -341,8 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench", help="decode throughput of presets against transformers' compiled static cache, on your model",
         description="Greedy decoding of the same random prompts (EOS disabled): transformers' static cache with its "
-                    "compiled step first, then each preset through kvcompose's static-shape path (CUDA graphs). "
-                    "Prints ms/step, tok/s, the ratio to the baseline, peak GPU memory and the eviction steps' share.",
+                    "compiled step first, then each preset through kvcompose's static-shape path (CUDA graphs); both "
+                    "time the same decode steps. Prints ms/step, its floor (weight and KV bytes read per step over "
+                    "the copy bandwidth measured on the device), tok/s, the ratios to fullkv and to the baseline, "
+                    "peak GPU memory and the eviction steps' share.",
     )
     _model_option(b)
     b.add_argument("--presets", default="fullkv,nvfp4,rkv,thinkv", help="comma-separated presets")

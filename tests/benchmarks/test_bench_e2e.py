@@ -1,5 +1,6 @@
-"""The end-to-end benchmark's bookkeeping (adding its run to the JSON history), on CPU. Scenario c's
-batch search is :mod:`kvcompose.speed`'s (tests/test_static_decode.py)."""
+"""The end-to-end benchmark on CPU: its bookkeeping (adding its run to the JSON history), its
+scenarios, and a ``--smoke --device cpu`` run whose records carry the floor and the ratios.
+Scenario c's batch search is :mod:`kvcompose.speed`'s (tests/hf/test_static_decode.py)."""
 
 import argparse
 import json
@@ -31,14 +32,15 @@ def test_a_run_is_added_to_the_history_and_earlier_runs_stay_as_they_were(bench,
     args = argparse.Namespace(run="b7", smoke=False)
     log = bench.open_log(str(path))
     rows = [{"policy": "transformers-static", "scenario": "b"}]
-    bench.save(log, rows, args)
+    bench.save(log, rows, args, 3.9)
     rows.append({"policy": "rkv", "scenario": "b"})
-    bench.save(log, rows, args)  # saved after every record: the run's own entry grows
+    bench.save(log, rows, args, 3.9)  # saved after every record: the run's own entry grows
 
     runs = json.loads(path.read_text())["runs"]
     assert runs[0] == old and len(runs) == 2
     new = runs[1]
     assert new["run"] == "b7" and [r["policy"] for r in new["records"]] == ["transformers-static", "rkv"]
+    assert new["copy_tbps"] == 3.9 and "kv_bytes_read_per_step" in new["floor_method"]
     assert all(r["run"] == "b7" and r["date"] == new["environment"]["date"] for r in new["records"])
     assert {"allocator", "gpu", "versions", "git_commit", "git_dirty"} <= set(new["environment"])
 
@@ -51,3 +53,64 @@ def test_without_out_nothing_is_written(bench, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     bench.save(bench.open_log(None), [{"policy": "fullkv", "scenario": "a"}], argparse.Namespace(run=None, smoke=False))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_scenarios_keep_a_b_and_c_and_add_a_long_prompt(bench):
+    assert bench.SCENARIOS["long"] == dict(batch=16, prompt=8192, new=512, budget=1024)
+    assert [bench.SCENARIOS[s]["new"] for s in ("a", "b", "c")] == [2048, 8192, 8192]
+    assert bench.SMOKE_LONG["prompt"] > bench.SMOKE_LONG["budget"]  # its smoke check also prefills past the budget
+    with pytest.raises(SystemExit):
+        bench.main(["--scenarios", "a,d"])  # refused before any model is built
+
+
+def test_smoke_on_cpu_times_the_same_steps_on_both_sides_with_floors_and_ratios(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "copy_tbps", lambda device: 0.02)  # a 2 GiB copy on a CPU takes half a minute
+    out = tmp_path / "e2e.json"
+    assert bench.main(["--smoke", "--device", "cpu", "--scenarios", "a,long", "--policies", "fullkv,rkv",
+                       "--out", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][-1]
+    assert run["smoke"] and run["copy_tbps"] == 0.02 and run["floor_method"]
+    assert {"gpu", "versions", "git_commit", "git_dirty"} <= set(run["environment"])
+    records = run["records"]
+    assert [(r["scenario"], r["policy"]) for r in records] == [
+        (s, p) for s in ("a", "long") for p in ("transformers-static", "fullkv", "rkv")]
+    for r in records:
+        shape = bench.SMOKE_LONG if r["scenario"] == "long" else bench.SMOKE
+        assert r["timed_steps"] == shape["new"] - 1 and r["batch"] == shape["batch"]  # every new token, both sides
+        assert r["floor_ms_per_step"] == pytest.approx(
+            1e3 * (r["weight_bytes_per_step"] + r["kv_bytes_read_per_step"]) / 0.02e12)
+        assert r["floor_ratio"] == pytest.approx(r["ms_per_step"] / r["floor_ms_per_step"])
+        same = [x for x in records if x["scenario"] == r["scenario"]]
+        fullkv = next(x for x in same if x["policy"] == "fullkv")
+        assert r["ratio_to_fullkv"] == pytest.approx(r["tok_per_s"] / fullkv["tok_per_s"])
+        if r["policy"] == "transformers-static":
+            assert r["cache_len"] == shape["prompt"] + shape["new"]
+            assert r["kv_bytes_read_per_step"] == r["kv_bytes"]  # its whole reserved cache
+        else:
+            assert r["kv_bytes_read_per_step"] == (r["kv_live_bytes_after_prefill"] + r["kv_live_bytes_at_end"]) / 2
+    rkv_long = next(r for r in records if r["scenario"] == "long" and r["policy"] == "rkv")
+    full_long = next(r for r in records if r["scenario"] == "long" and r["policy"] == "fullkv")
+    assert rkv_long["kv_live_bytes_after_prefill"] < full_long["kv_live_bytes_after_prefill"]  # prompt over budget
+
+
+def test_fixed_memory_times_the_same_window_on_both_sides(bench, monkeypatch):
+    given = {}
+
+    def fit_baseline(model, prompt, new, cap, window):
+        given["baseline"] = (prompt, new, window)
+        return {"batch": 48, "new_tokens": window, "timed_steps": window - 1, "tok_per_s": 100.0, "ms_per_step": 480.0,
+                "weight_bytes_per_step": 1, "kv_bytes_read_per_step": 1}
+
+    def fit_policy(model, policy, prompt, new, cap, window, retries):
+        given.setdefault("policies", []).append((prompt, new, window))
+        return {"batch": 400, "new_tokens": window, "timed_steps": window - 1, "tok_per_s": 1000.0,
+                "ms_per_step": 400.0, "weight_bytes_per_step": 1, "kv_bytes_read_per_step": 1}
+
+    monkeypatch.setattr(bench, "fit_transformers_static", fit_baseline)
+    monkeypatch.setattr(bench, "fit_policy", fit_policy)
+    monkeypatch.setattr(bench, "make_policy", lambda name, budget, smoke: name)
+    args = argparse.Namespace(smoke=False, memory_gib=70.0, window=768, oom_retries=4)
+    rows = bench.run_scenario(None, "c", dict(bench.SCENARIOS["c"]), ["fullkv", "rkv"], args, 4.0)
+    assert given["baseline"] == (512, 8192, 768) and given["policies"] == [(512, 8192, 768)] * 2
+    assert [r["timed_steps"] for r in rows] == [767] * 3
+    assert [r["ratio_to_fullkv"] for r in rows] == [0.1, 1.0, 1.0] and rows[2]["ratio_to_baseline"] == 10.0
