@@ -82,53 +82,129 @@ def shown_e2e_records(runs: list[dict]) -> list[tuple[dict, dict | None]]:
     return [(r, env) for n, (_, r, env) in enumerate(flat) if n in keep]
 
 
-def e2e(lines: list[str], figures: dict) -> None:
-    runs = [r for r in read_runs(RESULTS / "e2e_gpu.json") if not r.get("smoke")]
+#: The scenarios of ``bench_e2e_gpu.SCENARIOS`` (a test keeps the two equal), in the page's order.
+E2E_SCENARIOS = {
+    "a": dict(batch=16, prompt=512, new=2048, budget=1024),
+    "b": dict(batch=16, prompt=512, new=8192, budget=1024),
+    "long": dict(batch=16, prompt=8192, new=512, budget=1024),
+    "c": dict(batch=None, prompt=512, new=8192, budget=1024),
+}
+GROWING = "fullkv, fp8, nvfp4, kivi2, thinkv-tbq and rpc"  # presets whose cache grows with every token
+NONE = "—"  # a field the record does not have (older runs did not record it)
+
+
+def _scenario_method(name: str, shape: dict, records: list[dict]) -> str:
+    """A few sentences on what scenario ``name`` runs and times."""
+    prompt, new, budget = f"{shape['prompt']:,}", f"{shape['new']:,}", f"{shape['budget']:,}"
+    reserved = f"{shape['prompt'] + shape['new']:,}"
+    if name == "c":
+        caps = sorted({r["memory_cap_gib"] for r in records if r.get("memory_cap_gib") is not None})
+        cap = " or ".join(f"{c:g} GiB" for c in caps) or "the cap"
+        return (f"**Fixed memory.** Prompts of {prompt} tokens and {new} new tokens: each side runs at the largest "
+                f"batch whose peak GPU memory, weights included, stays under {cap}, kvcompose's stores holding room "
+                f"for all {new} new tokens and the baseline's static cache reserved for {reserved} tokens. Both sides "
+                "time the same first decode steps of the run (*steps timed*), each at its own batch (*x baseline* and "
+                "*x fullkv* compare tok/s across batches). The presets whose cache keeps growing "
+                f"({GROWING}) hold fewer tokens in that window than later in the run, so for them a window's "
+                "throughput overstates the whole run's; the budgeted ones reach their budget of "
+                f"{budget} tokens within the first {shape['budget'] - shape['prompt']:,} steps.")
+    title = {"a": "Same batch", "b": "Long reasoning", "long": "Long prompt"}[name]
+    text = (f"**{title}.** Batch {shape['batch']}, prompts of {prompt} tokens, {new} new tokens; the budgeted "
+            f"presets keep {budget} tokens per row. Both sides time every decode step (*steps timed*: each new "
+            f"token after the first, which the prefill produces); the baseline's static cache is reserved for "
+            f"{reserved} tokens, which its attention spans at every step.")
+    if name == "long":
+        text += (f" The prompt is {shape['prompt'] // shape['budget']} times the budget: what a budgeted preset "
+                 "keeps of it decides the bytes each step reads.")
+    return text
+
+
+def _uneven_runs(records: list[dict]) -> list[str]:
+    """Runs whose baseline timed other steps than their presets (recorded before both sides
+    timed the same steps)."""
+    out = []
+    for run in dict.fromkeys(r.get("run") for r in records):
+        same = [r for r in records if r.get("run") == run and "error" not in r]
+        base = [r["new_tokens"] for r in same if r["policy"] == BASELINE]
+        if base and any(r["new_tokens"] != base[0] for r in same if r["policy"] != BASELINE):
+            out.append(run)
+    return out
+
+
+def _e2e_row(r: dict, env) -> list:
+    """One record as a table row; a field the record lacks shows as NONE."""
+    def num(key: str, fmt: str, scale: float | None = None) -> str:
+        value = r.get(key)
+        if value is None:
+            return NONE
+        return fmt.format(value if scale is None else scale * value)
+
+    head = [r["policy"], r.get("run", r["scenario"]), _run_gpu(env), num("batch", "{:,}"), num("new_tokens", "{:,}"),
+            num("timed_steps", "{:,}")]
+    if "error" in r:
+        return head + [f"error: {r['error'].split('.')[0]}"] + [NONE] * 8
+    return head + [num("ms_per_step", "{:.1f}"), num("steady_ms_per_step", "{:.1f}"), num("floor_ms_per_step", "{:.2f}"),
+                   num("floor_ratio", "{:.2f}"), num("tok_per_s", "{:,.0f}"), num("ratio_to_fullkv", "{:.2f}"),
+                   num("ratio_to_baseline", "{:.2f}"), num("peak_gib", "{:.1f}"),
+                   num("eviction_share", "{:.1f}", 100.0) if r["policy"] != BASELINE else NONE]
+
+
+E2E_COLUMNS = ["policy", "run", "GPU", "batch", "new tokens", "steps timed", "ms/step", "steady ms/step",
+               "floor ms/step", "floor ratio", "tok/s", "x fullkv", "x baseline", "peak GiB", "eviction share %"]
+
+
+def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None:
+    """The end-to-end section from ``runs`` (default: ``e2e_gpu.json``'s); a run's ``notes`` stay
+    in the JSON."""
+    if runs is None:
+        runs = read_runs(RESULTS / "e2e_gpu.json")
+    runs = [r for r in runs if not r.get("smoke")]
     if not runs:
         return
-    data = runs[-1]
     shown = shown_e2e_records(runs)
-    shown_ids = {id(r) for r, _ in shown}
-    notes = " ".join(e["notes"] for e in runs if e.get("notes") and any(id(r) in shown_ids for r in e["records"]))
     lines += ["## End-to-end decode against transformers' static cache", "",
-              f"`e2e_gpu.json` — latest run: {_env(data)}. Runs differ in GPU (the GPU column); compare "
-              "ratios, which are against the baseline of the same run, not milliseconds across runs.", "",
-              f"{data['model']}; random prompts of 512 tokens, greedy, EOS disabled. Baseline: transformers' "
-              "static cache with its compiled decode step (sdpa). kvcompose: the static-shape path with CUDA graphs "
-              "(`fast_generate`). Scenarios: (a) batch 16, 2,048 new tokens, budget 1,024; (b) batch 16, 8,192 new "
-              "tokens; (c) the largest batch under 70 GiB for 512 + 8,192 tokens. *eviction share*: decode time of "
-              "the eager steps (classifier refreshes, evictions that are not graph-safe) and of the scheduled eviction "
-              "steps (replayed graphs since run b5; ThinKV's segment-end and refresh steps since a6/b6) beyond a "
-              "plain replayed step's cost; *host share*: the host's own time per plain replayed step over that "
-              "step's GPU time. *ms/step* is the decode wall time of a fresh cache over its steps (profiled: the host "
-              "waits for each step), the one-time work of its CUDA graphs included; *one-time s* is the GPU time of "
-              "each graph variant's eager first run and first replay (the capture's own host work shows in the wall "
-              "time only); *steady ms/step* is the GPU time per step without them, what a run approaches once its "
-              "graphs exist (add the host share for a wall figure). Both from run a8 on; the baseline's compile and "
-              "graph recording are left out of its time. " + notes, ""]
-    rows = []
-    order = sorted(shown, key=lambda item: (item[0]["scenario"], item[0].get("run", ""), item[0]["policy"] != BASELINE))
-    for r, env in order:
-        head = [r["policy"], r.get("run", r["scenario"]), _run_gpu(env), r["batch"], r["new_tokens"]]
-        if "error" in r:
-            rows.append(head + ["", "", "", "", "", "", "", "", r["error"].split(".")[0]])
+              f"`e2e_gpu.json` — latest run: {_env(runs[-1])}. Each table shows the newest record of every policy in "
+              "that scenario and the baseline of the same run; every earlier run stays in the JSON.", "",
+              "**What runs.** `benchmarks/bench_e2e_gpu.py` loads a Llama-3-8B-shaped model with random weights in "
+              "bf16 (32 layers, 32 query heads, 8 KV heads of 128, vocabulary 128,256) and decodes the same random "
+              "prompts greedily with EOS disabled, in one process per run: first the baseline, transformers' static "
+              "cache with its compiled decode step (sdpa attention), then each kvcompose preset through the "
+              "static-shape path replayed as CUDA graphs (`fast_generate`). Decoding speed does not depend on the "
+              "weights.", "",
+              "**What is timed.** *ms/step* is decode wall time over the steps timed: for kvcompose from its first "
+              "decode step to the end with a fresh cache, so the one-time work of its CUDA graphs (each variant's "
+              "first run, capture and first replay) is included; for the baseline its run's wall time less a "
+              "prefill-only run's, compiled and recorded beforehand. *steady ms/step* is kvcompose's GPU time per "
+              "step without that one-time work, what a long run approaches. *x baseline* and *x fullkv* divide tok/s "
+              "by the baseline's and by kvcompose fullkv's in the same run and scenario. Runs differ in GPU and in "
+              "the code that ran: compare ratios within a run, not milliseconds across runs. *eviction share*: the "
+              "share of decode time that eviction, refresh and eager steps take beyond a plain step's cost.", "",
+              "**The floor.** *floor ms/step* is the time a step needs to read its bytes once at the copy bandwidth "
+              "measured in the same process (a 2 GiB device-to-device copy, read plus written bytes over its median "
+              "time). The bytes: every weight (all parameters but the input embedding table, of which a step reads "
+              "one row per sequence; all of it when tied to the LM head) plus the KV cache a step reads: for "
+              "kvcompose the mean of the cache's live bytes (payload, scales, metadata, recent buffer) right after "
+              "the prefill and at the end of the run; for the baseline its whole reserved static cache, which its "
+              "attention spans at every step, so its floor is the same at every step. *floor ratio* = ms/step over "
+              "the floor: 1 would be a step that does nothing but read its bytes once. Records made before the "
+              f"floor, the steps timed and the ratio to fullkv were recorded show {NONE} there.", ""]
+    for name, shape in E2E_SCENARIOS.items():
+        records = [(r, env) for r, env in shown if r["scenario"] == name]
+        lines += [f"### Scenario {name}", "", _scenario_method(name, shape, [r for r, _ in records]), ""]
+        uneven = _uneven_runs([r for r, _ in records])
+        if uneven:
+            lines += [f"In run{'s' if len(uneven) > 1 else ''} {', '.join(uneven)}, recorded before both sides timed "
+                      "the same steps, the baseline was timed over fewer new tokens than the presets (the *new "
+                      "tokens* column); its step costs the same at every step, as it spans its whole reserved cache.",
+                      ""]
+        if not records:
+            lines += ["No run recorded yet.", ""]
             continue
-        share = r.get("eviction_share")
-        rows.append(head + [f"{r['ms_per_step']:.1f}", _optional(r, "steady_ms_per_step", "{:.1f}"),
-                            _optional(r, "one_time_s", "{:.2f}"), f"{r['tok_per_s']:.0f}",
-                            f"{r['ratio_to_baseline']:.2f}", f"{r['peak_gib']:.1f}",
-                            "" if share is None else f"{100 * share:.1f}",
-                            "" if r.get("host_share") is None else f"{100 * r['host_share']:.1f}", ""])
-    lines += _table(["policy", "run (scenario)", "GPU", "batch", "new tokens timed", "ms/step", "steady ms/step",
-                     "one-time s", "tok/s", "x baseline", "peak GiB", "eviction share %", "host share %", "error"],
-                    rows) + [""]
+        order = {run: i for i, run in enumerate(dict.fromkeys(r.get("run") for r, _ in records))}
+        records.sort(key=lambda item: (-order[item[0].get("run")], item[0]["policy"] != BASELINE))
+        lines += _table(E2E_COLUMNS, [_e2e_row(r, env) for r, env in records]) + [""]
     figures[SVG] = _throughput_svg([r for r, _ in shown if "tok_per_s" in r])
     lines += ["![Throughput against batch](results/e2e_throughput.svg)", ""]
-
-
-def _optional(record: dict, key: str, fmt: str) -> str:
-    """A field that older runs did not record: blank there."""
-    return fmt.format(record[key]) if record.get(key) is not None else ""
 
 
 def _run_gpu(env) -> str:

@@ -42,3 +42,41 @@ def test_the_end_to_end_table_shows_the_newest_record_of_each_policy_and_its_bas
     # rkv's newest record is b7's, so b4's baseline goes with its older record; b5's stays for snapkv
     assert got == [("transformers-static", "b5", "not recorded"), ("snapkv", "b5", "not recorded"),
                    ("transformers-static", "b7", "H200"), ("rkv", "b7", "H200")]
+
+
+def test_the_page_describes_the_scenarios_the_benchmark_runs(monkeypatch):
+    import os
+    import sys
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))  # restored after
+    sys.modules.pop("bench_e2e_gpu", None)
+    import bench_e2e_gpu
+
+    assert _summarize().E2E_SCENARIOS == bench_e2e_gpu.SCENARIOS
+
+
+def test_end_to_end_tables_show_the_new_fields_and_a_dash_where_an_old_record_lacks_them():
+    summarize = _summarize()
+    old = {"environment": {"gpu": "NVIDIA H100 80GB HBM3"}, "notes": "a long history of earlier runs " * 100,
+           "records": [{"policy": "transformers-static", "scenario": "b", "run": "b4", "batch": 16, "new_tokens": 256,
+                        "ms_per_step": 64.5, "tok_per_s": 248.0, "ratio_to_baseline": 1.0, "peak_gib": 32.9},
+                       {"policy": "rkv", "scenario": "b", "run": "b4", "batch": 16, "new_tokens": 8192,
+                        "ms_per_step": 14.6, "tok_per_s": 1092.0, "ratio_to_baseline": 4.41, "peak_gib": 25.5}]}
+    new = {"environment": {"gpu": "NVIDIA H200"}, "copy_tbps": 4.3, "records": [
+        {"policy": "transformers-static", "scenario": "long", "run": "l1", "batch": 16, "new_tokens": 512,
+         "timed_steps": 511, "ms_per_step": 40.0, "floor_ms_per_step": 8.0, "floor_ratio": 5.0, "tok_per_s": 400.0,
+         "ratio_to_fullkv": 0.5, "ratio_to_baseline": 1.0, "peak_gib": 40.0},
+        {"policy": "fullkv", "scenario": "long", "run": "l1", "batch": 16, "new_tokens": 512, "timed_steps": 511,
+         "ms_per_step": 20.0, "steady_ms_per_step": 18.0, "floor_ms_per_step": 7.5, "floor_ratio": 2.67,
+         "tok_per_s": 800.0, "ratio_to_fullkv": 1.0, "ratio_to_baseline": 2.0, "peak_gib": 39.0,
+         "eviction_share": 0.0}]}
+    lines = []
+    summarize.e2e(lines, {}, [old, new])
+    page = "\n".join(lines)
+    assert "a long history" not in page  # a run's notes stay in the JSON
+    assert "| rkv | b4 | H100 80GB HBM3 | 16 | 8,192 | — | 14.6 | — | — | — | 1,092 | — | 4.41 | 25.5 | — |" in page
+    assert "| fullkv | l1 | H200 | 16 | 512 | 511 | 20.0 | 18.0 | 7.50 | 2.67 | 800 | 1.00 | 2.00 | 39.0 | 0.0 |" in page
+    assert "| transformers-static | l1 | H200 | 16 | 512 | 511 | 40.0 | — | 8.00 | 5.00 | 400 | 0.50 | 1.00 | 40.0 | — |" in page
+    assert "In run b4, recorded before both sides timed the same steps" in page
+    assert page.count("No run recorded yet.") == 2  # scenarios a and c
