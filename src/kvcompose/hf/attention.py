@@ -21,6 +21,7 @@ class UnsupportedModelError(ValueError):
     """The model's attention layout cannot run on a kvcompose cache."""
 
 
+@torch.compiler.disable  # fused decode steps compile the layers around it (kvcompose.hf.fusion)
 def kvcompose_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over the kvcompose store; signature of transformers' attention interface."""
     layer = getattr(key, LAYER_ATTR, None)

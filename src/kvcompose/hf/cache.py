@@ -42,6 +42,7 @@ class KVComposeLayer(LayerRuntime, CacheLayerMixin):
         self.store = self.cache.policy.make_store(B, H, D, key_states.dtype, key_states.device)
         self.is_initialized = True
 
+    @torch.compiler.disable  # fused decode steps compile the layers around it (kvcompose.hf.fusion)
     def update(self, key_states, value_states, *args, **kwargs):
         if self._pending:
             raise UnsupportedModelError(

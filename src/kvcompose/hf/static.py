@@ -15,6 +15,7 @@ the eager path.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import torch
@@ -22,6 +23,7 @@ import torch
 from ..runtime.owner import OwningCache
 from ..runtime.schedule import Schedule, StepPlan, static_capacity
 from .compat import cache_kwargs
+from .fusion import default_fuse, fused_layers
 from .model_check import check_model
 
 def step_kind(plan: StepPlan, replay: bool, first: bool, graphs: bool) -> str:
@@ -51,8 +53,9 @@ class StaticDecoder:
     cache = OwningCache()  # weak: the cache owns this part
 
     def __init__(self, model, cache, next_positions: torch.Tensor, columns: int, graphs: bool,
-                 profile: bool = False):
+                 profile: bool = False, fused: bool = False):
         self.model = model
+        self.fused = fused  # the decoder layers run compiled (kvcompose.hf.fusion) during the steps
         self.cache = cache
         B = next_positions.shape[0]
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=next_positions.device)
@@ -131,7 +134,7 @@ class StaticDecoder:
     def summary(self) -> dict:
         """Steps by kind and, when profiling, milliseconds of decode time and steps by the
         kinds of :func:`step_kind`, and host milliseconds per replayed plain step."""
-        out = {"eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps,
+        out = {"fused": self.fused, "eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps,
                "refresh_steps": self.refresh_steps, "replays": self.replays}
         if self.profile and self._events:
             torch.cuda.synchronize()
@@ -179,7 +182,7 @@ def _recorded_event() -> torch.cuda.Event:
 def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                   max_new_tokens: int = 256, eos_token_id=None, pad_token_id: int | None = None,
                   graphs: bool | None = None, profile: bool = False,
-                  reserve_new_tokens: int | None = None) -> torch.Tensor:
+                  reserve_new_tokens: int | None = None, fuse: bool | None = None) -> torch.Tensor:
     """Greedy decoding on a fresh kvcompose ``cache`` through the static-shape path; returns
     ``[B, prompt + new]`` ids like ``model.generate(..., do_sample=False)``.
 
@@ -190,9 +193,12 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
     only when ``eos_token_id`` is given). ``profile`` (CUDA): time the steps by kind, see
     :meth:`StaticDecoder.summary` (``cache.static_decoder``). ``reserve_new_tokens``: size the
     stores for this many new tokens instead of ``max_new_tokens`` (memory measurements of a
-    longer generation from a shorter run)."""
+    longer generation from a shorter run). ``fuse``: run the decoder layers compiled by
+    torch.compile during the decode steps, which fuses their small kernels (see
+    :mod:`kvcompose.hf.fusion`; default: on CUDA). The prefill runs uncompiled either way."""
     _check_can_run(model, cache, input_ids, max_new_tokens, graphs)
     graphs = input_ids.is_cuda if graphs is None else graphs
+    fuse = default_fuse(input_ids.device) if fuse is None else fuse
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as model.generate computes them
     eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=input_ids.device).reshape(-1)
@@ -208,10 +214,11 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
             reserve = max(max_new_tokens, reserve_new_tokens or 0)
             cache.fix_capacity(static_capacity(cache.policy, input_ids.shape[1], reserve),
                                columns_limit=input_ids.shape[1] + reserve)
-            decoder = StaticDecoder(model, cache, positions[:, -1:] + 1, input_ids.shape[1], graphs, profile)
+            decoder = StaticDecoder(model, cache, positions[:, -1:] + 1, input_ids.shape[1], graphs, profile, fuse)
             cache.static_decoder = decoder
             try:
-                _decode(decoder, Schedule(cache, max_new_tokens - 1), tokens, finished, eos, pad_token_id)
+                with fused_layers(model) if fuse else contextlib.nullcontext():
+                    _decode(decoder, Schedule(cache, max_new_tokens - 1), tokens, finished, eos, pad_token_id)
             finally:
                 cache.step_plan = None
                 decoder.release_graphs()

@@ -1,0 +1,79 @@
+"""Fused decode steps: the model's decoder layers compiled by torch.compile (inductor) around the kvcompose attention.
+
+A decode step of a Hugging Face decoder runs, per layer, a handful of matrix products and some
+thirty small kernels: the RMS norms (a cast, a square, a mean, a reciprocal square root, two
+products), the rotary embedding (products, a negation, a concatenation, sums), the SiLU-mul of
+the MLP and the residual sums. At batch 16 each of those kernels moves a few hundred kilobytes
+and costs its launch, so together they took about a third of a step's GPU time. Compiling
+the decoder layer's ``forward`` lets inductor fuse that pointwise and reduction work into a few
+kernels while the matrix products stay the same cuBLAS calls.
+
+The cache update and the kvcompose attention are opaque to the compiler
+(``torch.compiler.disable``): each layer's forward compiles into the graphs before and after
+them, and our store, kernels and policy run unchanged in between. The layer index each layer
+passes to the cache is a constant of its graphs, so the compiler specializes once per layer
+(the recompile limit is raised while fused layers run); the graphs do not change from step to
+step, so the static decoder captures them in its CUDA graphs as before.
+
+Why compile the model's own layers rather than write fused kernels for them: the same step
+then fuses for every decoder transformers ships (Llama, Qwen, Mistral, ...), and the numerics
+follow the model's code, including its casts (``emulate_precision_casts``), so that the fused
+step reproduces the eager one.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from contextlib import contextmanager
+
+import torch
+
+from .attention import UnsupportedModelError
+
+#: The compiler backend of fused steps ("inductor" fuses; "aot_eager" traces without fusing, for checks).
+BACKEND = "inductor"
+#: Compilations allowed per code object while fused layers run: one per decoder layer (its index
+#: is a constant of its graphs) and batch size, with room for the largest models.
+RECOMPILE_LIMIT = 1024
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of a transformers model: the ``layers`` list of its decoder."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise UnsupportedModelError(
+            f"cannot fuse the decode step of {type(model).__name__}: its decoder has no 'layers' module list "
+            "(decode with fuse=False)")
+    return layers
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_forward(layer_class: type, backend: str = BACKEND):
+    """One compiled ``forward`` per decoder-layer class, shared by its layers (and by every
+    model of that class in the process, so a second generation compiles nothing new)."""
+    options = {"emulate_precision_casts": True} if backend == "inductor" else None
+    return torch.compile(layer_class.forward, backend=backend, dynamic=False, options=options)
+
+
+@contextmanager
+def fused_layers(model, backend: str | None = None):
+    """Within the block, ``model``'s decoder layers run their compiled ``forward`` (``backend``:
+    default :data:`BACKEND`); they get their own back on exit, whatever happens."""
+    layers = decoder_layers(model)
+    backend = backend or BACKEND
+    limits = dict(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT)
+    with torch._dynamo.config.patch(**limits):
+        for layer in layers:
+            layer.forward = types.MethodType(compiled_forward(type(layer), backend), layer)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.__dict__.pop("forward", None)
+
+
+def default_fuse(device: torch.device) -> bool:
+    """Fuse by default on CUDA: on CPU the compile costs more than the small kernels it saves."""
+    return device.type == "cuda"
