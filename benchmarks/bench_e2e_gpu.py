@@ -40,7 +40,7 @@ of decode time (CUDA events per step), and the host's own milliseconds per repla
 The environment (GPU, versions, git commit and dirty flag) is read by the script.
 
     python benchmarks/bench_e2e_gpu.py --smoke                       # tiny model, seconds
-    python benchmarks/bench_e2e_gpu.py --smoke --device cpu          # the same check without a GPU
+    python benchmarks/bench_e2e_gpu.py --smoke --device cpu --policies fullkv,rkv   # on a CPU, about 1 min
     python benchmarks/bench_e2e_gpu.py --scenarios a --out benchmarks/results/e2e_gpu.json
 """
 

@@ -80,3 +80,35 @@ def test_end_to_end_tables_show_the_new_fields_and_a_dash_where_an_old_record_la
     assert "| transformers-static | l1 | H200 | 16 | 512 | 511 | 40.0 | — | 8.00 | 5.00 | 400 | 0.50 | 1.00 | 40.0 | — |" in page
     assert "In run b4, recorded before both sides timed the same steps" in page
     assert page.count("No run recorded yet.") == 2  # scenarios a and c
+
+
+def test_the_readme_speed_figures_are_the_jsons():
+    """The README's end-to-end claims, recomputed from the records the results page shows."""
+    import re
+
+    from kvcompose.policies import presets
+
+    summarize = _summarize()
+    runs = [r for r in summarize.read_runs(summarize.RESULTS / "e2e_gpu.json") if not r.get("smoke")]
+    shown = summarize.shown_e2e_records(runs)
+    readme = re.sub(r"\s+", " ", (BENCH.parent / "README.md").read_text())
+
+    def newest(scenario):
+        return {r["policy"]: (r, env) for r, env in shown if r["scenario"] == scenario}
+
+    a = {p: r for p, (r, env) in newest("a").items() if p != summarize.BASELINE}
+    assert {summarize._run_gpu(env) for _, env in newest("a").values()} == {"H200"}
+    ratios = [r["ratio_to_baseline"] for r in a.values()]
+    assert f"run {min(ratios):.1f}-{max(ratios):.1f}x the tokens/s" in readme
+    assert sorted(set(presets()) - set(a)) == ["kivi4", "reasoncache", "reasoncache-random", "thinkv-tbe"]
+    assert f"the {len(a)} presets measured (all but kivi4, thinkv-tbe and the two reasoncache ones)" in readme
+    b = newest("b")
+    assert f"nvfp4 and fp8 {b['nvfp4'][0]['ratio_to_baseline']:.1f}x and {b['fp8'][0]['ratio_to_baseline']:.1f}x" in readme
+    assert {summarize._run_gpu(b[p][1]) for p in ("nvfp4", "fp8")} == {"H200"}
+    c = newest("c")
+    thinkv, env = c["thinkv"]
+    base = next(r for r, _ in shown if r["policy"] == summarize.BASELINE and r["run"] == thinkv["run"])
+    assert (f"ThinKV fits {thinkv['batch']} rows to the baseline's {base['batch']} and decodes "
+            f"{thinkv['ratio_to_baseline']:.0f}x its tokens/s ({summarize._run_gpu(env)}; ThinKV timed over its first "
+            f"{thinkv['new_tokens']:,} new tokens, the baseline over {base['new_tokens']:,})") in readme
+    assert "grows with" not in readme  # the baseline's step spans its whole reserved cache at every step
