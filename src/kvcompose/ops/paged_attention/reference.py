@@ -75,16 +75,16 @@ def paged_decode_attention_torch(query: torch.Tensor, sources: list[PagedSource]
     """
     B, Hq, _, D = query.shape
     parts = [dense_source_view(s, query.dtype) for s in sources]
-    keys = torch.cat([p[0] for p in parts], dim=2)
-    values = torch.cat([p[1] for p in parts], dim=2)
+    keys = torch.cat([p[0] for p in parts], dim=2).float()
+    values = torch.cat([p[1] for p in parts], dim=2).float()
     valid = torch.cat([p[2] for p in parts], dim=1)
-    group = Hq // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1).float()
-    v = values.repeat_interleave(group, dim=1).float()
-    logits = (query.float() @ k.transpose(-1, -2)) * scaling
+    H, L = keys.shape[1], keys.shape[2]
+    q = query.float().reshape(B, H, Hq // H, D)  # the query heads of each KV head, side by side (GQA)
+    logits = (q @ keys.transpose(-1, -2)) * scaling
     logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.nan_to_num(logits.softmax(-1), nan=0.0)  # a row with nothing valid attends to nothing
-    out = (probs @ v).to(query.dtype)
+    out = (probs @ values).reshape(B, Hq, 1, D).to(query.dtype)
+    probs = probs.reshape(B, Hq, L)
     if mass is not None:
-        add_mass_torch(sources, mass, probs[:, :, 0])
-    return (out, probs[:, :, 0]) if return_probs else out
+        add_mass_torch(sources, mass, probs)
+    return (out, probs) if return_probs else out
