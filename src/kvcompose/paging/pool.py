@@ -8,13 +8,23 @@ handed out by id; a slot is addressed as ``block_id * block_size + offset``. The
 payload tensors come from the codec; per-slot metadata lives beside them in named
 channels (``pos``: absolute position, ``valid``: live bit, plus any float channel an
 evictor asks for), so moving a token moves everything that belongs to it.
+
+A pool of a quantized format may also keep a **decoded copy** of its slots (``decoded_dtype``):
+each token's keys and values decoded once, when its group is encoded, in the model's dtype,
+as two more per-slot tensors (:data:`DECODED`). Living among the per-slot tensors, the copy
+moves, compacts, grows and shrinks with the codes by construction. It is scratch for the
+plain-torch decode attention, not payload: the memory report leaves it out.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..ops.paged_attention import decode_operand_torch
 from .codec import SlotCodec
+
+#: Per-slot tensors of a pool's decoded copy (keys, values ``[H, D]`` per slot in the model's dtype).
+DECODED = ("k.decoded", "v.decoded")
 
 
 def empty_value(channel: str) -> int:
@@ -35,6 +45,7 @@ class BlockPool:
         device: torch.device,
         float_channels: tuple[str, ...] = (),
         refcounted: bool = False,
+        decoded_dtype: torch.dtype | None = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -52,6 +63,9 @@ class BlockPool:
         bs = block_size
         self.slots = {n: torch.empty(0, bs, *s, dtype=d, device=device)
                       for n, (s, d) in codec.slot_layout(num_kv_heads, head_dim).items()}
+        self.decoded = decoded_dtype is not None
+        for name in DECODED if self.decoded else ():
+            self.slots[name] = torch.empty(0, bs, num_kv_heads, head_dim, dtype=decoded_dtype, device=device)
         self.blocks = {n: torch.empty(0, bs // codec.group_tokens, *s, dtype=d, device=device)
                        for n, (s, d) in codec.block_layout(num_kv_heads, head_dim).items()}
         self.meta: dict[str, torch.Tensor] = {
@@ -72,8 +86,14 @@ class BlockPool:
     # ------------------------------------------------------------------ sizes
     @property
     def payload_bytes_per_block(self) -> int:
-        tensors = list(self.slots.values()) + list(self.blocks.values())
+        tensors = [t for n, t in self.slots.items() if n not in DECODED] + list(self.blocks.values())
         return sum(torch.Size(t.shape[1:]).numel() * t.element_size() for t in tensors)
+
+    @property
+    def decoded_bytes_per_block(self) -> int:
+        """Bytes of the decoded copy per block (0 without one): scratch, in no memory report."""
+        return sum(torch.Size(self.slots[n].shape[1:]).numel() * self.slots[n].element_size()
+                   for n in DECODED if n in self.slots)
 
     @property
     def meta_bytes_per_block(self) -> int:
@@ -188,3 +208,14 @@ class BlockPool:
         self._free[: stack.numel()] = stack
         self.num_free += new - old
         self.capacity = new
+
+
+def decoded_slots(codec: SlotCodec, slots: dict, groups: dict, token_scales: dict, dtype: torch.dtype) -> dict:
+    """The :data:`DECODED` tensors ``[M, H, D]`` of ``M`` freshly encoded tokens (``slots`` and
+    ``groups`` as :meth:`SlotCodec.encode` returns them, ``token_scales`` each token's row
+    scales ``[M, H]``): decoded by the attention's own reference decode, so the copy holds
+    bit for bit what decoding the codes at attention time gives."""
+    key, value = codec.kv_operands(slots, groups, token_scales)
+    at = torch.arange(key.codes.shape[0], device=key.codes.device)  # token i is slot i and its own row
+    return {DECODED[0]: decode_operand_torch(key, at, at, dtype),
+            DECODED[1]: decode_operand_torch(value, at, at, dtype)}

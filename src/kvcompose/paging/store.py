@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .codec import DenseCodec, SlotCodec
-from .pool import BlockPool, empty_value
+from .pool import BlockPool, decoded_slots, empty_value
 from .region import Region
 from .store_checks import StoreChecks
 from .store_memory import StoreMemory
@@ -68,7 +68,13 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
         float_channels: tuple[str, ...] = (),
         codecs: dict[str, SlotCodec] | None = None,
         refcounted: bool = False,
+        decoded_copy: bool | None = None,
     ):
+        """``decoded_copy``: whether the pools of quantized formats keep a decoded copy of their
+        slots (see :mod:`~kvcompose.paging.pool`) for the plain-torch decode attention to read
+        instead of decoding every kept token at every step. None: on CPU only, where that
+        attention runs and where a run's memory is not its point (the memory report counts
+        the compressed store either way); on CUDA the fused kernel decodes in registers."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if residual < 0:
@@ -87,11 +93,14 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
         self.device = device
         self.group_size = group_size
         self.residual = residual
+        if decoded_copy is None:
+            decoded_copy = torch.device(device).type == "cpu"
         pools: dict[str, BlockPool] = {}
         for codec in codecs.values():
             if codec.name not in pools:
+                copy = decoded_copy and not isinstance(codec, DenseCodec)
                 pools[codec.name] = BlockPool(codec, block_size, num_kv_heads, head_dim, device, float_channels,
-                                              refcounted)
+                                              refcounted, dtype if copy else None)
         self.pools = pools
         self.regions = [Region(name, pools[c.name], batch_size, device) for name, c in codecs.items()]
         self.class_names = list(codecs)
@@ -184,6 +193,8 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             scales = self._row_scales_for(pool_name, codec, k, v, sel, aligned)
             pick = (lambda t: t.reshape(-1, *t.shape[2:])) if aligned else (lambda t: t[sel])
             slots, groups = codec.encode(pick(k), pick(v), scales)
+            if region.pool.decoded:
+                slots.update(decoded_slots(codec, slots, groups, scales, self.dtype))
             region.place(sel, slots, groups, {name: pick(meta[name]) for name in region.pool.meta}, aligned)
 
     def _row_scales_for(self, pool_name: str, codec: SlotCodec, k, v, sel, aligned: bool = False) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.paged_attention import KVOperand, PagedSource
-from .pool import BlockPool
+from .pool import DECODED, BlockPool
 
 
 class StoreSources:
@@ -19,7 +19,8 @@ class StoreSources:
     def attention_sources(self) -> list[PagedSource]:
         """The layer's tokens where they lie, for :func:`~kvcompose.ops.paged_decode_attention`:
         one source per pool (the block tables of the regions sharing it side by side), then
-        the recent buffer. Nothing is copied or decoded; no host synchronization."""
+        the recent buffer, each with its pool's decoded copy where it keeps one. Nothing is
+        copied or decoded; no host synchronization."""
         return [source for source, _, _ in self._sources()]
 
     def attention_sources_with(self, channel: str) -> tuple[list[PagedSource], list[torch.Tensor]]:
@@ -37,8 +38,10 @@ class StoreSources:
             if table.shape[1] == 0:
                 continue
             meta = pool.flat_slots(pool.meta)
-            k, v = pool.codec.kv_operands(pool.flat_slots(pool.slots), pool.flat_groups(), self.row_scales[name])
-            out.append((PagedSource(k, v, table, pool.block_size, meta["valid"]), meta, pool))
+            slots = pool.flat_slots(pool.slots)
+            k, v = pool.codec.kv_operands(slots, pool.flat_groups(), self.row_scales[name])
+            decoded = (slots[DECODED[0]], slots[DECODED[1]]) if pool.decoded else None
+            out.append((PagedSource(k, v, table, pool.block_size, meta["valid"], decoded), meta, pool))
         B, cap = self.buf_k.shape[:2]
         if cap:
             flat = (B * cap, self.num_kv_heads, self.head_dim)

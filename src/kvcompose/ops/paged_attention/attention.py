@@ -24,12 +24,18 @@ def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scal
     accumulates), computed on the device without returning the probabilities.
     ``backend``: None (Triton on CUDA, the torch reference elsewhere), "triton" (CUDA, or the
     CPU interpreter under ``TRITON_INTERPRET=1``), "torch". Rows with no valid token get zeros.
+
+    The torch path reads a source's decoded copy (:attr:`PagedSource.decoded`, kept by the
+    store on CPU) where it has one in the query dtype, instead of decoding every slot of the
+    source again at every step: the copy holds the reference's own decoded values, so the
+    output is the same bit for bit. The kernel always decodes the codes where they lie.
     """
     check_sources(query, sources)
     if mass is not None:
         check_mass(query, sources, mass)
     fits = backend is not None or kernel_fits(query, sources)
     if not step_kernel_runs(query, _paged_partial_kernel, backend, fits):
+        sources = [s.with_decoded(query.dtype) for s in sources]
         return paged_decode_attention_torch(query, sources, scaling, return_probs=probs, mass=mass)
     return paged_decode_triton(query, sources, scaling, probs, mass)
 

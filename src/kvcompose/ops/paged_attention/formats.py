@@ -8,7 +8,9 @@ scale and minimum per channel over ``token_group`` consecutive slots of a block)
 
 A *source* (:class:`PagedSource`) is a pool of blocks in one storage format, addressed
 per row through a block table, with a validity bit per slot (evicted, padding and empty
-slots are off); the dense recent buffer is one more source.
+slots are off); the dense recent buffer is one more source. A source may carry a decoded
+copy of its slots (:attr:`PagedSource.decoded`), which the plain-torch path reads instead of
+decoding (see :func:`~kvcompose.ops.paged_attention.paged_decode_attention`).
 """
 
 from __future__ import annotations
@@ -78,13 +80,25 @@ class KVOperand:
 class PagedSource:
     """One pool's worth of a layer's kept tokens: row ``b``'s token ``t`` lives in slot
     ``table[b, t // block_size] * block_size + t % block_size`` (table entry -1: no block);
-    a slot takes part only where ``valid[slot]`` is set."""
+    a slot takes part only where ``valid[slot]`` is set.
+
+    ``decoded``: optionally, keys and values ``[slots, H, D]`` of every slot already decoded
+    (what :func:`~kvcompose.ops.paged_attention.decode_operand_torch` gives for each slot and
+    the row that reads it); the store keeps them up to date with the codes."""
 
     key: KVOperand
     value: KVOperand
     table: torch.Tensor  # [B, W] integer block ids
     block_size: int
     valid: torch.Tensor  # [slots] bool
+    decoded: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def with_decoded(self, dtype: torch.dtype) -> PagedSource:
+        """This source with its decoded copy as dense operands, where it has one in ``dtype``."""
+        if self.decoded is None or self.decoded[0].dtype != dtype:
+            return self
+        k, v = self.decoded
+        return PagedSource(KVOperand("dense", k), KVOperand("dense", v), self.table, self.block_size, self.valid)
 
     @property
     def tokens(self) -> int:
