@@ -96,6 +96,41 @@ def test_kernel_matches_reference_every_format(fmt, group, head_dim):
     check_close(query, [src])
 
 
+def with_extent(src, extent):
+    return PagedSource(src.key, src.value, src.table, src.block_size, src.valid,
+                       extent=torch.as_tensor(extent, device=src.table.device))
+
+
+def check_extent(query, sources, lengths, scaling=0.1):
+    """With each row's extent, the kernel gives the reference's output; with the last 5 columns
+    of the longest row cut off by its extent, the reference's output without those slots."""
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[query.dtype]
+    bounded = [with_extent(sources[0], lengths)] + sources[1:]
+    out = paged_decode_attention(query, bounded, scaling, backend="triton")
+    torch.testing.assert_close(out.float(), paged_decode_attention_torch(query, sources, scaling).float(),
+                               atol=tol, rtol=tol)
+    row = max(range(len(lengths)), key=lambda b: lengths[b])
+    cut = list(lengths)
+    cut[row] -= 5
+    src = sources[0]
+    slots = src.slots()[row, cut[row]:lengths[row]]
+    valid = src.valid.clone()
+    valid[slots] = False
+    without = PagedSource(src.key, src.value, src.table, src.block_size, valid)
+    out = paged_decode_attention(query, [with_extent(src, cut)] + sources[1:], scaling, backend="triton")
+    ref = paged_decode_attention_torch(query, [without] + sources[1:], scaling)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4", "int_channel"])
+def test_extent_bounds_each_rows_loop(fmt):
+    """Static decode reserves capacity; the kernel reads each row only up to its live extent."""
+    lengths = [37, 0, 70]
+    src = make_source(fmt, lengths, 2, 64, seed=5)
+    buffer = make_source("dense", [5, 0, 15], 2, 64, bs=15, seed=6)
+    check_extent(torch.randn(3, 8, 1, 64).to(torch.bfloat16), [src, buffer], lengths)
+
+
 @pytest.mark.parametrize("token_group,bs", [(16, 16), (32, 32), (64, 64), (32, 128), (16, 64), (8, 16)])
 def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monkeypatch):
     """KIVI keys whose tile lies in one token group are scored with the group scale in the
@@ -358,6 +393,7 @@ def test_cuda_kernel_matches_reference(fmt, group, head_dim):
     buffer = make_source("dense", [5, 0, 15, 1, 0, 15], H, head_dim, bs=15, seed=9, device="cuda")
     check_close(query, [src, make_source("ternary", lengths, H, head_dim, holes=True, seed=4, device="cuda"), buffer])
     check_mass(query, [src, buffer])
+    check_extent(query, [src, buffer], lengths)
 
 
 def check_fp16_tiles(fmt, dtype, magnitude, device):

@@ -34,14 +34,17 @@ class StoreSources:
         in :meth:`attention_sources` order."""
         out = []
         for name, pool in self.pools.items():
-            table = torch.cat([r.table for r in self.regions if r.pool is pool], dim=1)
+            regions = [r for r in self.regions if r.pool is pool]
+            table = regions[0].table if len(regions) == 1 else torch.cat([r.table for r in regions], dim=1)
+            # a lone region's slots written bound the columns its rows use: the kernel's loops stop there
+            extent = regions[0].length if len(regions) == 1 else None
             if table.shape[1] == 0:
                 continue
             meta = pool.flat_slots(pool.meta)
             slots = pool.flat_slots(pool.slots)
             k, v = pool.codec.kv_operands(slots, pool.flat_groups(), self.row_scales[name])
             decoded = (slots[DECODED[0]], slots[DECODED[1]]) if pool.decoded else None
-            out.append((PagedSource(k, v, table, pool.block_size, meta["valid"], decoded), meta, pool))
+            out.append((PagedSource(k, v, table, pool.block_size, meta["valid"], decoded, extent), meta, pool))
         B, cap = self.buf_k.shape[:2]
         if cap:
             flat = (B * cap, self.num_kv_heads, self.head_dim)

@@ -92,13 +92,15 @@ class PagedSource:
     block_size: int
     valid: torch.Tensor  # [slots] bool
     decoded: tuple[torch.Tensor, torch.Tensor] | None = None
+    extent: torch.Tensor | None = None  # [B]: columns beyond extent[b] hold no valid slot of row b
 
     def with_decoded(self, dtype: torch.dtype) -> PagedSource:
         """This source with its decoded copy as dense operands, where it has one in ``dtype``."""
         if self.decoded is None or self.decoded[0].dtype != dtype:
             return self
         k, v = self.decoded
-        return PagedSource(KVOperand("dense", k), KVOperand("dense", v), self.table, self.block_size, self.valid)
+        return PagedSource(KVOperand("dense", k), KVOperand("dense", v), self.table, self.block_size, self.valid,
+                           extent=self.extent)
 
     @property
     def tokens(self) -> int:

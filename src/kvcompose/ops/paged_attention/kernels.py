@@ -49,7 +49,7 @@ def _max_abs(x0, x1, x2, x3):
 #: Fields of one source's runtime tuple in a :func:`_paged_partial_kernel` launch.
 SOURCE_FIELDS = ("table", "valid", "key codes", "key scale", "key minimum", "key head scale", "value codes",
                  "value scale", "value minimum", "value head scale", "table width", "tokens per split",
-                 "first program", "programs", "first partial result", "first column")
+                 "first program", "programs", "first partial result", "first column", "extent")
 
 
 @jit
@@ -73,29 +73,30 @@ def _paged_partial_kernel(q_ptr, out_ptr, lse_ptr, score_ptr, total_splits, tota
         if (split >= src[12]) & (split < src[12] + src[13]):
             local = split - src[12]
             _source_partial(q_ptr, out_ptr, lse_ptr, score_ptr, src[0], src[1], src[2], src[3], src[4], src[5],
-                            src[6], src[7], src[8], src[9], src[10], src[11], local, src[14] + local, total_splits,
-                            src[15], total_cols, qk_scale,
+                            src[6], src[7], src[8], src[9], src[10], src[11], local, src[13], src[14] + local,
+                            total_splits, src[15], total_cols, qk_scale, src[16],
                             CONSTS[i][0], CONSTS[i][1], CONSTS[i][2], CONSTS[i][3], CONSTS[i][4], CONSTS[i][5],
                             CONSTS[i][6], CONSTS[i][7], CONSTS[i][8], CONSTS[i][9], CONSTS[i][10], CONSTS[i][11],
-                            H, G, GP, D, CONSTS[i][12], CONSTS[i][13], CONSTS[i][14], SCORES, PREC, OUT, NATIVE)
+                            H, G, GP, D, CONSTS[i][12], CONSTS[i][13], CONSTS[i][14], CONSTS[i][15],
+                            SCORES, PREC, OUT, NATIVE)
 
 
 #: Order of a source's compile-time constants in ``CONSTS`` (see :func:`_partial_launch`).
 SOURCE_CONSTS = ("KFMT", "VFMT", "KBITS", "VBITS", "KGROUP", "VGROUP", "KTG", "KPER", "VPER", "KEX", "VEX", "KFOLD",
-                 "BS", "BLOCK", "STAGES")
+                 "BS", "BLOCK", "STAGES", "EXTENT")
 
 
 @jit
 def _source_partial(
     q_ptr, out_ptr, lse_ptr, score_ptr, table_ptr, valid_ptr,
     kc_ptr, ks_ptr, km_ptr, khs_ptr, vc_ptr, vs_ptr, vm_ptr, vhs_ptr,
-    W, tokens_per_split, local_split, out_split, total_splits, col0, total_cols, qk_scale,
+    W, tokens_per_split, local_split, n_splits, out_split, total_splits, col0, total_cols, qk_scale, extent_ptr,
     KFMT: tl.constexpr, VFMT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KGROUP: tl.constexpr, VGROUP: tl.constexpr, KTG: tl.constexpr, KPER: tl.constexpr, VPER: tl.constexpr,
     KEX: tl.constexpr, VEX: tl.constexpr, KFOLD: tl.constexpr,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, SCORES: tl.constexpr, PREC: tl.constexpr,
-    OUT: tl.constexpr, NATIVE: tl.constexpr,
+    BS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, EXTENT: tl.constexpr, SCORES: tl.constexpr,
+    PREC: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """Partial attention of one (row, KV head, split) of one source: output ``[G, D]`` and
     log2-sum-exp ``[G]``, written as partial result ``out_split``.
@@ -104,7 +105,9 @@ def _source_partial(
     of the parts' dots, and each value part accumulates its own output columns. ``KEX`` /
     ``VEX``: the keys / values are an exact format (see the module notes) and go to the
     tensor cores in fp16. ``KFOLD``: KIVI keys scored with their group scale folded into the
-    queries (:func:`_kivi_key_scores`)."""
+    queries (:func:`_kivi_key_scores`). ``EXTENT``: the row's columns beyond ``extent_ptr[row]``
+    hold no valid slot; the ``n_splits`` splits divide the row's extent instead of the table's
+    width, so the work follows the live tokens of each row, not the capacity reserved for it."""
     pid = tl.program_id(0)
     row = pid // H
     head = pid % H
@@ -140,8 +143,13 @@ def _source_partial(
     acc1 = tl.zeros([GP, DV], tl.float32)
     acc2 = tl.zeros([GP, DV], tl.float32)
     acc3 = tl.zeros([GP, DV], tl.float32)
-    start = local_split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, W * BS)
+    limit = W * BS
+    per = tokens_per_split
+    if EXTENT:
+        limit = tl.minimum(tl.load(extent_ptr + row).to(tl.int32), limit)
+        per = tl.cdiv(tl.cdiv(limit, n_splits), BLOCK) * BLOCK
+    start = local_split * per
+    end = tl.minimum(start + per, limit)
     n = tl.arange(0, BLOCK)
     for t0 in tl.range(start, end, BLOCK, num_stages=STAGES):
         t = t0 + n

@@ -179,7 +179,9 @@ def _plan_launch(q: torch.Tensor, sources: list[PagedSource], args: list[tuple],
             fields[i] = (per, fields[host][1] + fields[host][2] - 1, 1, partials)
         partials += n
     first_cols = [sum(s.tokens for s in sources[:i]) for i in range(len(sources))]
-    tuples = tuple(args[i] + fields[i] + (first_cols[i],) for i in range(len(sources)))
+    no_extent = device_constant((0,), q.device, torch.int64)  # never read (EXTENT off)
+    extents = [no_extent if s.extent is None else s.extent for s in sources]
+    tuples = tuple(args[i] + fields[i] + (first_cols[i], extents[i]) for i in range(len(sources)))
     return programs, tuples, kwargs, max(1, partials)
 
 
@@ -214,7 +216,8 @@ def _partial_launch(q: torch.Tensor, sources: list[PagedSource], scores: bool) -
     """Per source, its runtime arguments of :func:`_paged_partial_kernel` before the split
     geometry (``SOURCE_FIELDS``); and the launch's keyword arguments, with ``CONSTS`` the
     sources' compile-time constants (``SOURCE_CONSTS``), at the launch shape ``TILE_SHAPE``
-    (tokens per tile, warps)."""
+    (tokens per tile, warps). A source's ``extent`` bounds its rows' loops (``EXTENT``) unless
+    the launch writes scores: those cover every column, written or not."""
     D, device = q.shape[-1], q.device
     H = sources[0].key.codes.shape[1]
     args, consts = [], []
@@ -228,7 +231,7 @@ def _partial_launch(q: torch.Tensor, sources: list[PagedSource], scores: bool) -
         c = dict(KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
                  KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte, KEX=_exact(src.key, q.dtype),
                  VEX=_exact(src.value, q.dtype), KFOLD=_folds(src, block, q.dtype), BS=src.block_size,
-                 BLOCK=block, STAGES=stages)
+                 BLOCK=block, STAGES=stages, EXTENT=src.extent is not None and not scores)
         consts.append(tuple(c[name] for name in SOURCE_CONSTS))
     G = q.shape[1] // H
     longest = max(sources, key=lambda s: s.tokens)
@@ -276,7 +279,8 @@ def compiled_partial(q: torch.Tensor, launch: tuple[list[tuple], dict], cols: in
     queries, sources and columns; a typical split geometry)."""
     args, consts = launch
     out = torch.empty(1, device=q.device)  # the fp32 outputs
-    tuples = tuple(a + (c[SOURCE_CONSTS.index("BLOCK")], 2 * i, 2, 2 * i, 0)
+    extent = device_constant((0,), q.device, torch.int64)
+    tuples = tuple(a + (c[SOURCE_CONSTS.index("BLOCK")], 2 * i, 2, 2 * i, 0, extent)
                    for i, (a, c) in enumerate(zip(args, consts["CONSTS"])))
     return _paged_partial_kernel.warmup(q, out, out, out, 2 * len(args), cols, 1.0, tuples, grid=(1, 1), **consts)
 
