@@ -34,11 +34,13 @@ def kernels_per_step(model, policy, ids, mask, steps: int, fuse: bool) -> tuple[
             fast_generate(model, policy.make_cache(model), ids, mask, new, graphs=False, fuse=fuse)
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return sum(e.count for e in events), sum(e.self_device_time_total for e in events) / 1e3
+        return {e.key: (e.count, e.self_device_time_total / 1e3) for e in events}
 
-    n1, t1 = run(steps + 2)
-    n0, t0 = run(2)
-    return (n1 - n0) / steps, (t1 - t0) / steps
+    long, short = run(steps + 2), run(2)
+    per_kernel = {k: ((c - short.get(k, (0, 0))[0]) / steps, (t - short.get(k, (0, 0.0))[1]) / steps)
+                  for k, (c, t) in long.items()}
+    per_kernel = {k: v for k, v in per_kernel.items() if v[0] > 0}
+    return sum(c for c, _ in per_kernel.values()), sum(t for _, t in per_kernel.values()), per_kernel
 
 
 def replayed(model, policy, ids, mask, new: int, fuse: bool):
@@ -76,7 +78,11 @@ def main() -> int:
             torch.cuda.synchronize()
             first = time.perf_counter() - t
             out, ms, wall, one_time = replayed(model, policy, ids, mask, args.new, fuse)
-            k, kms = kernels_per_step(model, policy, ids, mask, 16, fuse)
+            k, kms, per_kernel = kernels_per_step(model, policy, ids, mask, 16, fuse)
+            if fuse:
+                top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:40]
+                for kname, (calls, ms) in top:
+                    print(f"  {calls:7.1f}/step {1e3 * ms:8.1f} us  {kname[:110]}", flush=True)
             res[fuse] = out
             rows.append(dict(policy=name, fused=fuse, replay_ms=ms, wall_s=wall, first_run_s=first,
                              kernels_per_step=k, kernels_per_layer=k / model.config.num_hidden_layers,
