@@ -187,6 +187,18 @@ def test_capacity_follows_the_trigger():
     assert static_capacity(thinkv, 31, 100) == 79 + 8 + 4
 
 
+def test_a_prompt_cut_at_the_prefill_reserves_the_budget_not_the_prompt(llama):
+    """R-KV evicts a long prompt down to its budget at the end of the prefill: static decode
+    then reserves room for the budget and the trigger's headroom, and decodes the eager tokens."""
+    policy = Policy.from_preset("rkv", budget=32, trigger={"buffer": 8})
+    _, ids, mask = left_padded([100, 70, 90])
+    expected, got, eager, static = _run_both(llama, policy, ids, mask, 30)
+    assert torch.equal(expected, got)
+    store = static.layers[0].store
+    reserved = max(r.table.shape[1] * r.pool.block_size for r in store.regions)
+    assert reserved < ids.shape[1] < static_capacity(policy, ids.shape[1], 30)  # the prompt's reservation
+
+
 def test_static_path_refuses_what_it_cannot_run(llama):
     policy = Policy.from_preset("fullkv")
     _, ids, mask = left_padded([5, 7])

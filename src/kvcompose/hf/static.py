@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+import weakref
 import torch
 
 from ..runtime.owner import OwningCache
@@ -158,7 +159,9 @@ class StaticDecoder:
 
     def _capture(self) -> tuple:
         graph = torch.cuda.CUDAGraph()
-        gc.collect()  # graphs of other decoders the user dropped: destroy them now, not during the capture
+        if any(d is not self and d.captured for d in _CAPTURING):
+            gc.collect()  # graphs of other decoders the user dropped: destroy them now, not during the capture
+        _CAPTURING.add(self)
         # The graph's pool cannot reuse what the ordinary pool caches (say, the scratch of the
         # eager run of an eviction step just before): hand that back so the capture fits.
         torch.cuda.empty_cache()
@@ -171,6 +174,13 @@ class StaticDecoder:
                 "fast_generate(..., graphs=False) (static shapes, no graphs) or policy.generate(..., fast=False)"
             ) from exc
         return graph, logits
+
+
+#: Decoders that have captured graphs. A full garbage collection takes time in proportion to
+#: the process's Python objects (a compiled model adds many), so the one before a capture runs
+#: only where another decoder still holds graphs (its run did not reach
+#: :meth:`StaticDecoder.release_graphs`).
+_CAPTURING: "weakref.WeakSet[StaticDecoder]" = weakref.WeakSet()
 
 
 def _recorded_event() -> torch.cuda.Event:
@@ -212,7 +222,8 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
         finished = None if eos is None else torch.isin(tokens[0], eos)
         if max_new_tokens > 1 and not (finished is not None and bool(finished.all())):
             reserve = max(max_new_tokens, reserve_new_tokens or 0)
-            cache.fix_capacity(static_capacity(cache.policy, input_ids.shape[1], reserve),
+            kept = cache.most_tokens_held()
+            cache.fix_capacity(static_capacity(cache.policy, input_ids.shape[1], reserve, kept),
                                columns_limit=input_ids.shape[1] + reserve)
             decoder = StaticDecoder(model, cache, positions[:, -1:] + 1, input_ids.shape[1], graphs, profile, fuse)
             cache.static_decoder = decoder

@@ -179,8 +179,11 @@ class Region:
         self.release_empty_blocks()
 
     def fix_width(self, width: int) -> None:
-        """Static mode: give every row ``width`` blocks now (keeping the ones it has), so that
-        appends never allocate, and keep all state in these tensors from now on."""
+        """Static mode: give every row ``width`` blocks now (keeping the ones it has; table
+        columns beyond ``width`` that no row uses go), so that appends never allocate, and keep
+        all state in these tensors from now on."""
+        if width < self.table.shape[1] and bool((self.table[:, width:] < 0).all()):
+            self.table = self.table[:, :width].contiguous()  # columns the prefill emptied (eviction)
         width = max(width, self.table.shape[1])
         if width > self.table.shape[1]:
             pad = torch.full((self.batch_size, width - self.table.shape[1]), -1, dtype=torch.long, device=self.device)

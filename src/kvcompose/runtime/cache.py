@@ -85,6 +85,13 @@ class CacheRuntime:
         for layer in self.layers:
             layer.fix_capacity(tokens, columns_limit)
 
+    def most_tokens_held(self) -> int:
+        """The most tokens any row holds in any layer, counting every slot written in its regions
+        (holes included) and its recent buffer: what static decode must have room for after the
+        prefill (one host synchronization)."""
+        held = [sum(r.length for r in layer.store.regions) + layer.store.buf_len for layer in self.layers]
+        return int(torch.stack(held).max()) if held else 0
+
     def views(self) -> list[StoreView]:
         """Current dense views of every initialized layer (for inspection and tests)."""
         return [layer.store.view() for layer in self.layers if layer.store is not None]

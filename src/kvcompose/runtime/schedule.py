@@ -31,10 +31,13 @@ class StepPlan:
         return self.flush, self.evict, self.refresh
 
 
-def static_capacity(policy, prompt_columns: int, max_new_tokens: int) -> int:
+def static_capacity(policy, prompt_columns: int, max_new_tokens: int, kept: int | None = None) -> int:
     """Tokens per row and region that static decode reserves: the whole sequence for policies
-    without a bound, else the budget (or the prompt, or what the evictor cannot remove, if
-    larger) plus what the trigger lets a row gain before it acts, plus one buffer group."""
+    without a bound, else the budget (or what the prefill kept, or what the evictor cannot
+    remove, if larger) plus what the trigger lets a row gain before it acts, plus one buffer
+    group. ``kept``: the most tokens a row holds after the prefill (slots written and buffered;
+    default: the whole prompt), so that a prompt the policy already cut to its budget reserves
+    the budget, not the prompt."""
     full = prompt_columns + max_new_tokens
     if policy.evictor is None or policy.budget is None:
         return full
@@ -43,7 +46,8 @@ def static_capacity(policy, prompt_columns: int, max_new_tokens: int) -> int:
     if head is None:
         return full
     floor = policy.evictor.min_kept(prompt_columns, max_new_tokens, policy.refresh)
-    return min(full, max(prompt_columns, policy.budget, floor) + head + policy.group_size)
+    start = prompt_columns if kept is None else kept
+    return min(full, max(start, policy.budget, floor) + head + policy.group_size)
 
 
 class Schedule:
