@@ -107,10 +107,14 @@ def copy_times_ms(device, nbytes: int = COPY_BYTES, warmup: int = 3, repeats: in
     return times, 2 * src.numel() * src.element_size()
 
 
-def copy_tbps(device, nbytes: int = COPY_BYTES) -> float:
+def copy_tbps(device, nbytes: int | None = None) -> float:
     """Copy bandwidth of ``device`` in TB/s: read plus written bytes of :func:`copy_times_ms`
-    over its median call."""
-    times, moved = copy_times_ms(device, nbytes)
+    over its median call. Default size: ``COPY_BYTES`` on a GPU; 1 GiB with one round of
+    warm-up on a CPU, which has no clocks to bring up and copies a few GB/s."""
+    if torch.device(device).type == "cuda":
+        times, moved = copy_times_ms(device, nbytes or COPY_BYTES)
+    else:
+        times, moved = copy_times_ms(device, nbytes or 2**30, warmup=0)
     return moved / (statistics.median(times) * 1e-3) / 1e12
 
 
