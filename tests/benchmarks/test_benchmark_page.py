@@ -96,12 +96,23 @@ def test_the_readme_speed_figures_are_the_jsons():
     def newest(scenario):
         return {r["policy"]: (r, env) for r, env in shown if r["scenario"] == scenario}
 
-    a = {p: r for p, (r, env) in newest("a").items() if p != summarize.BASELINE}
-    assert {summarize._run_gpu(env) for _, env in newest("a").values()} == {"H200"}
-    ratios = [r["ratio_to_baseline"] for r in a.values()]
-    assert f"run {min(ratios):.1f}-{max(ratios):.1f}x the tokens/s" in readme
-    assert sorted(set(presets()) - set(a)) == ["kivi4", "reasoncache", "reasoncache-random", "thinkv-tbe"]
-    assert f"the {len(a)} presets measured (all but kivi4, thinkv-tbe and the two reasoncache ones)" in readme
+    def latest_run(scenario):
+        """The records of the newest run of ``scenario``, baseline left out."""
+        label = [r["run"] for entry in runs for r in entry["records"] if r["scenario"] == scenario][-1]
+        return {r["policy"]: r for entry in runs for r in entry["records"]
+                if r["scenario"] == scenario and r["run"] == label and r["policy"] != summarize.BASELINE}
+
+    def span(values, digits=1):
+        return f"{min(values):.{digits}f}-{max(values):.{digits}f}x"
+
+    a, long = latest_run("a"), latest_run("long")
+    assert sorted(a) == sorted(long) == ["fp8", "fullkv", "nvfp4", "rkv", "snapkv", "thinkv"]
+    assert "fullkv, fp8, nvfp4, rkv, snapkv and thinkv" in readme
+    assert f"run {span([r['ratio_to_baseline'] for r in a.values()])} the tokens/s" in readme
+    assert f"and {span([r['ratio_to_baseline'] for r in long.values()])} with 8,192-token prompts" in readme
+    compressed = [p for p in a if p != "fullkv"]
+    assert (f"decode at {span([a[p]['ratio_to_fullkv'] for p in compressed], 2)} its tokens/s (2,048 new tokens) "
+            f"and {span([long[p]['ratio_to_fullkv'] for p in compressed], 2)} (8,192-token prompts)") in readme
     b = newest("b")
     assert f"nvfp4 and fp8 {b['nvfp4'][0]['ratio_to_baseline']:.1f}x and {b['fp8'][0]['ratio_to_baseline']:.1f}x" in readme
     assert {summarize._run_gpu(b[p][1]) for p in ("nvfp4", "fp8")} == {"H200"}
