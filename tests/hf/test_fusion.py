@@ -67,6 +67,19 @@ def test_fused_layers_are_restored_when_a_step_fails(monkeypatch):
     assert all("forward" not in layer.__dict__ for layer in layers)
 
 
+def test_a_compile_failure_names_the_way_out():
+    def failing(graph, example_inputs):
+        raise ValueError("no backend today")
+
+    model = _model()
+    policy = Policy.from_preset("fullkv")
+    _, ids, mask = left_padded([5, 7])
+    with pytest.raises(RuntimeError, match="(?s)LlamaDecoderLayer.*no backend today.*fuse=False"):
+        with fusion.fused_layers(model, backend=failing):
+            fast_generate(model, policy.make_cache(model), ids, mask, 3, fuse=False)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+
+
 def test_a_model_without_decoder_layers_is_named():
     class Bare(torch.nn.Module):
         pass

@@ -69,6 +69,9 @@ def fused_layers(model, backend: str | None = None):
             layer.forward = types.MethodType(compiled_forward(type(layer), backend), layer)
         try:
             yield
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            raise RuntimeError(f"could not compile {type(layers[0]).__name__} for a fused decode step ({exc}); "
+                               "decode with fast_generate(..., fuse=False)") from exc
         finally:
             for layer in layers:
                 layer.__dict__.pop("forward", None)
