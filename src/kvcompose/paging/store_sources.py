@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device_constants import device_constant
 from ..ops.paged_attention import KVOperand, PagedSource
 from .pool import DECODED, BlockPool
 
@@ -48,7 +49,7 @@ class StoreSources:
         B, cap = self.buf_k.shape[:2]
         if cap:
             flat = (B * cap, self.num_kv_heads, self.head_dim)
-            rows = torch.arange(B, device=self.device)[:, None]
+            rows = device_constant(tuple(range(B)), self.device, torch.long)[:, None]  # no arange per step
             meta = {n: t.view(-1) for n, t in self.buf_meta.items()}
             source = PagedSource(KVOperand("dense", self.buf_k.view(flat)), KVOperand("dense", self.buf_v.view(flat)),
                                  rows, cap, meta["valid"])
