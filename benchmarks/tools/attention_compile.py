@@ -28,14 +28,15 @@ def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, blo
     the dense bf16 recent buffer on the light tile, as the store hands them over."""
     def source(kc, ks, vc, vs):
         ptrs = ("*i32", "*u8", f"*{kc}", f"*{ks}", f"*{ks}", "*fp32", f"*{vc}", f"*{vs}", f"*{vs}", "*fp32")
-        return ptrs + ("i32",) * 6
+        return ptrs + ("i32",) * 6 + ("*i64",)  # ... first column, then the rows' extents
 
     per = 8 // bits if bits else {"nvfp4": 2, "ternary": 4}.get(kfmt, 1)
     pool = dict(KFMT=formats.FORMATS[kfmt], VFMT=formats.FORMATS[vfmt], KBITS=bits, VBITS=bits, KGROUP=32, VGROUP=32, KTG=16,
                 KPER=per, VPER=per, KEX=kfmt in formats.EXACT_FORMATS, VEX=vfmt in formats.EXACT_FORMATS,
-                KFOLD=kfmt == "int_channel", BS=16, BLOCK=block, STAGES=launch.STAGES)  # KIVI: 16-slot token groups
+                KFOLD=kfmt == "int_channel", BS=16, BLOCK=block, STAGES=launch.STAGES,  # KIVI: 16-slot token groups
+                EXTENT=not scores)
     dense = dict(KFMT=0, VFMT=0, KBITS=0, VBITS=0, KGROUP=1, VGROUP=1, KTG=1, KPER=1, VPER=1, KEX=False, VEX=False,
-                 KFOLD=False, BS=16, BLOCK=launch.SMALL_TILE, STAGES=launch.SMALL_STAGES)
+                 KFOLD=False, BS=16, BLOCK=launch.SMALL_TILE, STAGES=launch.SMALL_STAGES, EXTENT=False)
     sources = [source(codes, scale, codes, scale)] + ([source("bf16", "fp32", "bf16", "fp32")] if buffer else [])
     consts = [tuple(c[n] for n in kernels.SOURCE_CONSTS) for c in [pool] + ([dense] if buffer else [])]
     sig = {"q_ptr": "*bf16", "out_ptr": "*fp32", "lse_ptr": "*fp32", "score_ptr": "*fp32", "total_splits": "i32",
