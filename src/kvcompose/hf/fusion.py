@@ -17,8 +17,9 @@ step, so the static decoder captures them in its CUDA graphs as before.
 
 Why compile the model's own layers rather than write fused kernels for them: the same step
 then fuses for every decoder transformers ships (Llama, Qwen, Mistral, ...), and the numerics
-follow the model's code, including its casts (``emulate_precision_casts``), so that the fused
-step reproduces the eager one.
+follow the model's code, including its casts (``emulate_precision_casts``): in fp32 the fused
+step gives the eager one's tokens; in bf16 a fused chain of products and sums is rounded once,
+not after every operation, so tokens may part after some steps.
 """
 
 from __future__ import annotations

@@ -182,15 +182,21 @@ class Region:
         """Static mode: give every row ``width`` blocks now (keeping the ones it has; table
         columns beyond ``width`` that no row uses go), so that appends never allocate, and keep
         all state in these tensors from now on."""
-        if width < self.table.shape[1] and bool((self.table[:, width:] < 0).all()):
+        width = self.fixed_width(width)
+        if width < self.table.shape[1]:
             self.table = self.table[:, :width].contiguous()  # columns the prefill emptied (eviction)
-        width = max(width, self.table.shape[1])
         if width > self.table.shape[1]:
             pad = torch.full((self.batch_size, width - self.table.shape[1]), -1, dtype=torch.long, device=self.device)
             self.table = torch.cat([self.table, pad], dim=1)
         missing = self.table < 0
         self.table[missing] = self.pool.allocate(int(missing.sum()))
         self.static = True
+
+    def fixed_width(self, width: int) -> int:
+        """The table width :meth:`fix_width` gives for ``width``: that many columns, or the
+        current ones where a row still has a block beyond it (one host read)."""
+        beyond = self.table[:, width:]
+        return self.table.shape[1] if beyond.numel() and bool((beyond >= 0).any()) else width
 
     def used_table(self) -> torch.Tensor:
         """The block-table columns in use by at least one row (``[B, W]``)."""

@@ -34,7 +34,7 @@ class StoreStatic:
         for pool in self.pools.values():
             regions = [r for r in self.regions if r.pool is pool]
             width = -(-tokens // pool.block_size)
-            widths = [max(width, r.table.shape[1] if bool((r.table[:, width:] >= 0).any()) else 0) for r in regions]
+            widths = [r.fixed_width(width) for r in regions]
             need = sum(w * self.batch_size - int((r.table[:, :w] >= 0).sum()) for w, r in zip(widths, regions))
             pool.fix_capacity(need)
             for region in regions:
