@@ -33,7 +33,7 @@ class CacheRuntime:
         # Decode steps attend through the fused paged kernel (Triton on CUDA, its torch
         # reference elsewhere); False: always the dense view + SDPA (the eager reference).
         self.fused_attention = fused_attention
-        self.attention_backend: str | None = None  # None: auto; "triton"/"torch" to force one
+        self.attention_backend: str | None = None  # None: auto; "triton", "cuda" or "torch" to force one
         # Callables ``(layer_idx, query, view, query_positions, scaling)`` run after each
         # attention, before compression: the fidelity harness reads attention through them.
         self.observers: list = []

@@ -8,6 +8,7 @@ from ..dispatch import step_kernel_runs
 from .formats import PagedSource
 from .kernels import _paged_partial_kernel
 from .launch import kernel_fits, paged_decode_triton
+from .native import native_status
 from .reference import paged_decode_attention_torch
 
 
@@ -22,8 +23,12 @@ def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scal
     tensor per source and a ``[B]`` weight; each valid slot's channel entry gains
     ``weight[b]`` times its probability averaged over the query heads (what ``h2o``
     accumulates), computed on the device without returning the probabilities.
-    ``backend``: None (Triton on CUDA, the torch reference elsewhere), "triton" (CUDA, or the
-    CPU interpreter under ``TRITON_INTERPRET=1``), "torch". Rows with no valid token get zeros.
+    ``backend``: None (the kernels on CUDA, the torch reference elsewhere), "triton" (the Triton
+    kernel only: CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``), "cuda" (the CUDA
+    kernel of :mod:`.native` for the sources it takes, built or an error; Triton for the rest),
+    "torch". On CUDA, None runs the CUDA kernel wherever it is built and takes the source
+    (:func:`~kvcompose.ops.paged_attention.native.native_status` says whether it is built and
+    why not). Rows with no valid token get zeros.
 
     The torch path reads a source's decoded copy (:attr:`PagedSource.decoded`, kept by the
     store on CPU) where it has one in the query dtype, instead of decoding every slot of the
@@ -33,11 +38,27 @@ def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scal
     check_sources(query, sources)
     if mass is not None:
         check_mass(query, sources, mass)
-    fits = backend is not None or kernel_fits(query, sources)
-    if not step_kernel_runs(query, _paged_partial_kernel, backend, fits):
+    if backend not in (None, "triton", "cuda", "torch"):
+        raise ValueError(f"unknown backend {backend!r}; accepted: None (auto), 'triton', 'cuda', 'torch'")
+    if backend == "cuda":
+        require_native(query)
+    kernels = "triton" if backend == "cuda" else backend
+    fits = kernels is not None or kernel_fits(query, sources)
+    if not step_kernel_runs(query, _paged_partial_kernel, kernels, fits):
         sources = [s.with_decoded(query.dtype) for s in sources]
         return paged_decode_attention_torch(query, sources, scaling, return_probs=probs, mass=mass)
-    return paged_decode_triton(query, sources, scaling, probs, mass)
+    return paged_decode_triton(query, sources, scaling, probs, mass, native=backend != "triton")
+
+
+def require_native(query: torch.Tensor) -> None:
+    """``backend="cuda"``: the CUDA kernel must be built for the query's device (it then runs the
+    sources it takes, the Triton kernel the rest); else an error that says why it is not."""
+    if not query.is_cuda:
+        raise RuntimeError(f"backend='cuda' needs CUDA tensors; the query is on {query.device}")
+    status = native_status(query.device)
+    if status["kernel"] != "cuda":
+        raise RuntimeError(f"backend='cuda': the CUDA decode kernel is not available ({status['reason']}); "
+                           f"accepted instead: None (auto), 'triton', 'torch'")
 
 
 def check_sources(query: torch.Tensor, sources: list[PagedSource]) -> None:

@@ -20,6 +20,7 @@ from ...device_constants import device_constant
 from ..layout import OUT_KINDS, out_buffer
 from ..triton_shim import cdiv, interpreted, next_pow2
 from .formats import EXACT_FORMATS, FORMATS, KVOperand, PagedSource
+from . import native as native_kernel
 from .kernels import SOURCE_CONSTS, _mass_kernel, _merge_kernel, _paged_partial_kernel
 
 
@@ -45,6 +46,7 @@ WARPS = 2  # of the attention-mass kernel (the merge's: MERGE_WARPS)
 STAGES = 3  # software-pipelining depth of the partial kernel's loads (Triton's default)
 MAX_REGISTERS = None  # registers per thread of the partial kernel (None: the compiler's choice)
 LOG2E = 1.4426950408889634
+NATIVE_TILE = 32  # tokens per loop step of the CUDA kernel (native_nvfp4.cu)
 
 
 def plan_splits(rows: int, tokens: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM,
@@ -101,9 +103,11 @@ def kernel_fits(query: torch.Tensor, sources: list[PagedSource]) -> bool:
     return D == next_pow2(D) and D // per >= 16
 
 
-def paged_decode_triton(query, sources, scaling, probs, mass=None):
+def paged_decode_triton(query, sources, scaling, probs, mass=None, native: bool = True):
     """:func:`~kvcompose.ops.paged_attention.paged_decode_attention` through the kernels (inputs checked):
-    one partial launch for all sources, one merge, and one mass launch per source with ``mass``."""
+    one partial launch for all sources, one merge, and one mass launch per source with ``mass``.
+    With ``native``, each source the CUDA kernel takes (:mod:`.native`) gets a launch of its own
+    instead, where that kernel is built; both write into the one merge."""
     B, Hq, _, D = query.shape
     if not interpreted(_paged_partial_kernel) and not kernel_fits(query, sources):
         raise ValueError(f"the paged attention kernel needs a power-of-two head dim with >= 16 channels per code "
@@ -119,12 +123,19 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None):
     H = sources[0].key.codes.shape[1]
     cols = sum(s.tokens for s in sources)
     scores = probs or mass is not None
-    args, consts = _partial_launch(q, sources, scores)
-    programs, tuples, kwargs, total = _plan_launch(q, sources, args, consts, cols)
+    built, native_plans, first = _native_plans(q, sources, scores, native)
+    rest = [s for i, s in enumerate(sources) if i not in native_plans]
+    if rest:
+        args, consts = _partial_launch(q, rest, scores)
+        programs, tuples, kwargs, count = _plan_launch(q, rest, args, consts, cols, first)
+    total = first + (count if rest else 0)
     part = torch.empty(B, Hq, total, D, dtype=torch.float32, device=device)
     lse = torch.empty(B, Hq, total, dtype=torch.float32, device=device)  # every split writes its own
     logits = torch.empty(B, Hq, cols if scores else 1, device=device)  # the splits cover every column
-    _paged_partial_kernel[(B * H, programs)](q, part, lse, logits, total, cols, scaling * LOG2E, tuples, **kwargs)
+    for i, (at, per, n) in native_plans.items():
+        native_kernel.launch_partial(built, q, sources[i], part, lse, at, total, scaling * LOG2E, per, n)
+    if rest:
+        _paged_partial_kernel[(B * H, programs)](q, part, lse, logits, total, cols, scaling * LOG2E, tuples, **kwargs)
     out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
     final = torch.empty(B, Hq, dtype=torch.float32, device=device)
     width = merge_width(B * Hq, D, device)
@@ -144,8 +155,32 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None):
     return out, torch.exp2(logits - final[..., None]).nan_to_num(0.0)  # -inf - -inf (empty row) -> 0
 
 
+def _native_plans(q: torch.Tensor, sources: list[PagedSource], scores: bool, native: bool) -> tuple:
+    """The sources the CUDA kernel runs (none where scores are written, it has no built module
+    or does not take them): ``(module, {source index: (first partial result, tokens per split,
+    splits)}, partial results they take)``."""
+    if not native or scores or not q.is_cuda:
+        return None, {}, 0
+    take = [i for i, s in enumerate(sources) if native_kernel.fits(q, s) and not small_source(s)]
+    built = native_kernel.module(q.device) if take else None
+    if built is None:
+        return None, {}, 0
+    B, H = q.shape[0], sources[0].key.codes.shape[1]
+    per_sm = native_kernel.resident_programs(q.device.index or 0, q.shape[-1], q.dtype == torch.bfloat16,
+                                             native_kernel.MIN_BLOCKS)
+    plans, first = {}, 0
+    for i in take:
+        tokens = sources[i].tokens
+        n = plan_splits(B * H, tokens, q.device, per_sm, NATIVE_TILE)
+        per = cdiv(cdiv(tokens, n), NATIVE_TILE) * NATIVE_TILE
+        n = cdiv(tokens, per)
+        plans[i] = (first, per, n)
+        first += n
+    return built, plans, first
+
+
 def _plan_launch(q: torch.Tensor, sources: list[PagedSource], args: list[tuple], consts: dict,
-                 cols: int) -> tuple[int, tuple, dict, int]:
+                 cols: int, first: int = 0) -> tuple[int, tuple, dict, int]:
     """Which programs of the one partial launch run which source's splits.
 
     The long sources own programs, each split over as many as :func:`plan_splits` finds
@@ -166,7 +201,7 @@ def _plan_launch(q: torch.Tensor, sources: list[PagedSource], args: list[tuple],
         kwargs["maxnreg"] = _registers(q, ([args[host]], dict(consts, CONSTS=(consts["CONSTS"][host],), NSRC=1)), cols)
     per_sm = _resident(q, (args, kwargs), cols)
     block_at = SOURCE_CONSTS.index("BLOCK")
-    fields, programs, partials = {}, 0, 0
+    fields, programs, partials = {}, 0, first
     for i in owners + riders:
         block = consts["CONSTS"][i][block_at]
         n = plan_splits(B * H, sources[i].tokens, q.device, per_sm, block) if i in owners else 1
@@ -182,7 +217,7 @@ def _plan_launch(q: torch.Tensor, sources: list[PagedSource], args: list[tuple],
     no_extent = device_constant((0,), q.device, torch.int64)  # never read (EXTENT off)
     extents = [no_extent if s.extent is None else s.extent for s in sources]
     tuples = tuple(args[i] + fields[i] + (first_cols[i], extents[i]) for i in range(len(sources)))
-    return programs, tuples, kwargs, max(1, partials)
+    return programs, tuples, kwargs, max(1, partials - first)
 
 
 def query_rows(group: int, dense: bool) -> int:

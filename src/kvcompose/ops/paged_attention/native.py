@@ -1,0 +1,127 @@
+"""The CUDA decode kernel of NVFP4 pools (``native_nvfp4.cu``), built on first use, and when it runs.
+
+The Triton partial kernel decodes every format; for NVFP4 keys and values it spends most of
+its instructions moving decoded values into the tensor cores' operand layout, and reads
+memory at a third of copy bandwidth. The CUDA kernel loads each thread's mma fragment
+straight from the codes (see the notes at the top of the ``.cu`` file). It writes partial
+results in the Triton merge kernel's layout, so the two kernels share one merge.
+
+It is built with ``torch.utils.cpp_extension.load_inline`` the first time a step could use
+it (about a minute, cached by torch afterwards), and only where it can run: a CUDA GPU of
+compute capability 8.9 or later (its E4M3 conversion), ``nvcc`` on the machine, and
+``KVCOMPOSE_NATIVE_ATTENTION`` not set to ``0``. Nothing is compiled at install time. Where
+it cannot be built the Triton kernel runs, and :func:`native_status` says why; the first
+choice is logged on the ``kvcompose`` logger.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .formats import PagedSource
+
+log = logging.getLogger("kvcompose")
+
+#: ``KVCOMPOSE_NATIVE_ATTENTION=0`` keeps every step on the Triton kernel.
+ENABLED = os.environ.get("KVCOMPOSE_NATIVE_ATTENTION", "1") != "0"
+HEAD_DIMS = (64, 128)
+MAX_GROUP = 8  # query heads per KV head: the mma's 8 columns
+#: Programs the compiled head-dim-128 kernel is held to fit per SM (registers capped to match): 1 or 10.
+MIN_BLOCKS = 1
+SOURCE = Path(__file__).with_name("native_nvfp4.cu")
+_STATE: dict = {}  # device index -> (module or None, reason)
+
+
+def fits(query: torch.Tensor, src: PagedSource) -> bool:
+    """Whether the CUDA kernel takes this source and query: NVFP4 keys and values, head dim 64
+    or 128, a bf16 or fp16 query, at most ``MAX_GROUP`` query heads per KV head."""
+    H = src.key.codes.shape[1]
+    return (src.key.fmt == "nvfp4" and src.value.fmt == "nvfp4" and query.shape[-1] in HEAD_DIMS
+            and query.dtype in (torch.bfloat16, torch.float16) and query.shape[1] // H <= MAX_GROUP
+            and src.table.dtype == torch.int64 and src.key.codes.is_contiguous() and src.value.codes.is_contiguous()
+            and src.key.scale.is_contiguous() and src.value.scale.is_contiguous()
+            and max(src.key.codes.numel(), src.value.codes.numel()) < 2 ** 32)  # the kernel's 32-bit offsets
+
+
+def module(device: torch.device):
+    """The built extension for ``device``, or None where it cannot run there (see :func:`native_status`)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STATE:
+        _STATE[index] = _build(index)
+        built, reason = _STATE[index]
+        if built is None:
+            log.info("kvcompose: NVFP4 decode attention runs the Triton kernel (%s)", reason)
+        else:
+            log.info("kvcompose: NVFP4 decode attention runs the CUDA kernel (%s)", reason)
+    return _STATE[index][0]
+
+
+def native_status(device: torch.device | None = None) -> dict:
+    """Which kernel decodes NVFP4 pools on ``device`` and why: ``{"kernel": "cuda" | "triton",
+    "reason": ...}``. Builds the extension if it was not tried yet."""
+    if device is None or device.type != "cuda":
+        if not torch.cuda.is_available():
+            return {"kernel": "triton", "reason": "no CUDA device"}
+        device = torch.device("cuda", torch.cuda.current_device())
+    built = module(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"kernel": "triton" if built is None else "cuda", "reason": _STATE[index][1]}
+
+
+def _build(index: int):
+    if not ENABLED:
+        return None, "KVCOMPOSE_NATIVE_ATTENTION=0"
+    if torch.version.hip:
+        return None, "ROCm build of torch"
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) < (8, 9):
+        return None, f"compute capability {major}.{minor} lacks the E4M3 conversion (needs 8.9 or later)"
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None and shutil.which("nvcc") is None:
+        return None, "nvcc not found (set CUDA_HOME to build the CUDA kernel)"
+    arch = f"{major}{minor}"
+    try:
+        built = cpp_extension.load_inline(
+            name=f"kvcompose_native_nvfp4_sm{arch}",
+            cpp_sources=_DECLARATIONS,
+            cuda_sources=SOURCE.read_text(),
+            functions=["nvfp4_partial", "nvfp4_resident"],
+            extra_cuda_cflags=["-O3", "-std=c++17"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a toolkit that does not match torch's
+        return None, f"building {SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}"
+    return built, f"{SOURCE.name} built for sm_{arch}"
+
+
+_DECLARATIONS = """
+void nvfp4_partial(at::Tensor q, at::Tensor part, at::Tensor lse, at::Tensor table, at::Tensor valid, at::Tensor kc,
+                   at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
+                   c10::optional<at::Tensor> extent, int64_t block_size, int64_t per_split, int64_t n_splits,
+                   int64_t first, int64_t total, double qk_scale, int64_t min_blocks);
+int64_t nvfp4_resident(int64_t D, bool bf16, int64_t min_blocks);
+"""
+
+
+@functools.lru_cache(maxsize=64)
+def resident_programs(device_index: int, head_dim: int, bf16: bool, min_blocks: int) -> int:
+    """Programs (one warp each) of the CUDA kernel one SM holds at once."""
+    return max(1, int(_STATE[device_index][0].nvfp4_resident(head_dim, bf16, min_blocks)))
+
+
+def launch_partial(built, q: torch.Tensor, src: PagedSource, part: torch.Tensor, lse: torch.Tensor, first: int,
+                   total: int, qk_scale: float, per_split: int, n_splits: int) -> None:
+    """One launch over ``src``: ``n_splits`` programs per (row, KV head), written as partial
+    results ``first ..`` of ``total`` (the Triton merge's layout)."""
+    key, value = src.key, src.value
+    built.nvfp4_partial(q, part, lse, src.table.contiguous(), src.valid.view(torch.uint8), key.codes, key.scale,
+                        key.head_scale.float().contiguous(), value.codes, value.scale,
+                        value.head_scale.float().contiguous(), src.extent, src.block_size, per_split, n_splits,
+                        first, total, qk_scale, MIN_BLOCKS)

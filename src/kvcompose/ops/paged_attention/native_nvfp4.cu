@@ -1,0 +1,420 @@
+// Paged decode attention over an NVFP4 pool, one warp per (row, KV head, split), for sm_89+.
+//
+// Why a hand-written kernel: decoding 4-bit codes costs instructions, and a step of decode
+// attention has a budget of about one warp instruction per five bytes read at memory speed.
+// The Triton kernel spends most of it moving decoded values into the tensor cores' operand
+// layout. Here every thread loads exactly the bytes its mma fragment needs, so nothing moves:
+//
+// * Keys are the mma's A operand (16 tokens x 16 channels), the queries its B operand (16
+//   channels x 8 query heads), the scores come out transposed (tokens x query heads).
+//   A dot product does not care in which order it visits the channels, so a thread's key
+//   fragment covers a contiguous quarter of the token's code row (one vector load), and the
+//   query fragment is gathered in the same channel order once per program.
+// * Values are the A operand of the transposed product (16 channels x 16 tokens), the
+//   probabilities its B operand. A thread holds a contiguous eighth of each token's row; two
+//   tokens' decoded pairs are interleaved by byte permutes, and the score fragment becomes the
+//   probability fragment by one 8x8 transpose in registers (movmatrix).
+// * An NVFP4 code becomes an E4M3 byte of the same value times 2^-6 with integer operations on
+//   four bytes at once; the hardware converts pairs to fp16, and the block scale times 2^6 is
+//   one fp16 multiply whose product is exact. The per-(row, head) scale multiplies the dot
+//   products (keys) and the finished output (values) in fp32.
+//
+// The program writes one partial result (output and log2-sum-exp) in the layout the Triton
+// merge kernel reads, so the recent buffer and other sources join in the same merge.
+
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int TILE = 32;  // tokens per step of a warp's loop: one per lane
+
+template <int D>
+struct Shape {
+  static constexpr int ROW = D / 2;        // code bytes per (token, head)
+  static constexpr int BLOCKS = D / 16;    // E4M3 block scales per (token, head)
+  static constexpr int KWORDS = D / 32;    // 32-bit code words of a thread's key quarter
+  static constexpr int KSTEPS = D / 16;    // k-steps of the key product
+  static constexpr int VWORDS = D / 64;    // code words of a thread's value eighth
+  static constexpr int VTILES = D / 16;    // m-tiles (16 channels) of the value product
+};
+
+// Channel, within a code word, of element e of the word's decoded register r (see fp4_word).
+__device__ __forceinline__ int word_channel(int r, int e) { return (r & 1) * 4 + (r >> 1) + 2 * e; }
+
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// Eight NVFP4 codes of one word times 2^-6 times a block scale (fp16 pair s2 = (s, s), s the E4M3
+// block scale): exact in fp16 (at most 6 significant bits, multiples of 2^-16).
+// out[0] = channels (0, 2), out[1] = (4, 6), out[2] = (1, 3), out[3] = (5, 7) of the word.
+__device__ __forceinline__ void fp4_word(uint32_t w, uint32_t s2, uint32_t* out) {
+  asm("{\n"
+      ".reg .b32 lo, hi, t, u;\n"
+      ".reg .b16 l0, l1, h0, h1;\n"
+      "shl.b32 t, %4, 2;\n"
+      "and.b32 t, t, 0x1C1C1C1C;\n"
+      "shl.b32 u, %4, 4;\n"
+      "and.b32 u, u, 0x80808080;\n"
+      "or.b32 lo, t, u;\n"
+      "shr.b32 t, %4, 2;\n"
+      "and.b32 t, t, 0x1C1C1C1C;\n"
+      "and.b32 u, %4, 0x80808080;\n"
+      "or.b32 hi, t, u;\n"
+      "mov.b32 {l0, l1}, lo;\n"
+      "mov.b32 {h0, h1}, hi;\n"
+      "cvt.rn.f16x2.e4m3x2 %0, l0;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, l1;\n"
+      "cvt.rn.f16x2.e4m3x2 %2, h0;\n"
+      "cvt.rn.f16x2.e4m3x2 %3, h1;\n"
+      "mul.rn.f16x2 %0, %0, %5;\n"
+      "mul.rn.f16x2 %1, %1, %5;\n"
+      "mul.rn.f16x2 %2, %2, %5;\n"
+      "mul.rn.f16x2 %3, %3, %5;\n"
+      "}\n"
+      : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3])
+      : "r"(w), "r"(s2));
+}
+
+// fp16 pair (a, b) of the E4M3 bytes in the low 16 bits of x (a: the low byte).
+__device__ __forceinline__ uint32_t scale_pair(uint32_t x) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t half2_bits(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <int N>
+__device__ __forceinline__ void load_words(const uint8_t* p, bool ok, uint32_t* w) {
+  if constexpr (N == 4) {
+    uint4 x = ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
+    w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w;
+  } else if constexpr (N == 2) {
+    uint2 x = ok ? *reinterpret_cast<const uint2*>(p) : make_uint2(0, 0);
+    w[0] = x.x; w[1] = x.y;
+  } else {
+    w[0] = ok ? *reinterpret_cast<const uint32_t*>(p) : 0u;
+  }
+}
+
+// The codes and scales one lane needs for one tile: four key tokens (rows gid, gid + 8 of the
+// tile's two 16-token halves) and eight value tokens (2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 of
+// each half), plus the validity of the lane's own token.
+template <int D>
+struct Tile {
+  uint32_t k[4][Shape<D>::KWORDS];
+  uint32_t kscale[4];
+  uint32_t v[8][Shape<D>::VWORDS];
+  uint32_t vscale[8];
+  bool lane_ok;
+};
+
+__device__ __forceinline__ int key_token(int kt, int gid) { return 16 * (kt >> 1) + gid + 8 * (kt & 1); }
+__device__ __forceinline__ int value_token(int vt, int tig) {
+  const int u = vt & 3;
+  return 16 * (vt >> 2) + 2 * tig + (u & 1) + 8 * (u >> 1);
+}
+
+// Where one (row, KV head) program reads: the pools, and the byte offsets of its head and lane
+// within a slot's codes and scales. Offsets are 32-bit (the launcher checks that the pools fit).
+struct Pools {
+  const uint8_t* __restrict__ valid;
+  const uint8_t* __restrict__ kc;
+  const uint8_t* __restrict__ ks;
+  const uint8_t* __restrict__ vc;
+  const uint8_t* __restrict__ vs;
+  uint32_t code_stride, scale_stride;  // bytes per slot: H x (D / 2), H x (D / 16)
+  uint32_t kcode, kscale, vcode, vscale;  // the head's and lane's offsets within a slot
+};
+
+template <int D>
+__device__ __forceinline__ void load_tile(Tile<D>& t, int slot, const Pools& p, int gid, int tig) {
+  using S = Shape<D>;
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+    const int s = __shfl_sync(0xffffffffu, slot, key_token(kt, gid));
+    load_words<S::KWORDS>(p.kc + ((uint32_t)s * p.code_stride + p.kcode), s >= 0, t.k[kt]);
+    const uint8_t* sp = p.ks + ((uint32_t)s * p.scale_stride + p.kscale);
+    if constexpr (D == 128) {
+      t.kscale[kt] = s >= 0 ? *reinterpret_cast<const uint16_t*>(sp) : 0u;
+    } else {
+      t.kscale[kt] = s >= 0 ? *sp : 0u;
+    }
+  }
+#pragma unroll
+  for (int vt = 0; vt < 8; ++vt) {
+    const int s = __shfl_sync(0xffffffffu, slot, value_token(vt, tig));
+    load_words<S::VWORDS>(p.vc + ((uint32_t)s * p.code_stride + p.vcode), s >= 0, t.v[vt]);
+    t.vscale[vt] = s >= 0 ? p.vs[(uint32_t)s * p.scale_stride + p.vscale] : 0u;
+  }
+  t.lane_ok = slot >= 0 && p.valid[slot] != 0;
+}
+
+// The block of the lane's token t (-1 beyond end): loaded a tile ahead of its use, so that the
+// table's latency never stalls the loop.
+__device__ __forceinline__ int64_t lane_block(const int64_t* __restrict__ table, int64_t row, int W, int BS, int t,
+                                              int end) {
+  return t < end ? table[row * W + t / BS] : -1;
+}
+
+__device__ __forceinline__ int lane_slot(int64_t blk, int BS, int t) {
+  return blk < 0 ? -1 : (int)(blk * BS + t % BS);
+}
+
+// The online-softmax state of one program: running maximum and sum of the lane's two query
+// heads (2 tig, 2 tig + 1), the output accumulator (transposed: channels x query heads).
+template <int D>
+struct State {
+  float m[2], l[2];
+  float acc[Shape<D>::VTILES][4];
+};
+
+// One tile: scores, online softmax, values. Decoded values lack the 2^6 that the E4M3 trick
+// takes off (folded into key_scale and into the output scale).
+template <int D>
+__device__ __forceinline__ void attend_tile(const Tile<D>& t, State<D>& st, const uint32_t (*qf)[2], float key_scale,
+                                            int gid, int tig) {
+  using S = Shape<D>;
+  const uint32_t ok = __ballot_sync(0xffffffffu, t.lane_ok);  // bit x: token x of the tile takes part
+
+  // scores, transposed: s[j] = tokens 16 j + (gid, gid + 8) x query heads (2 tig, 2 tig + 1)
+  float s[2][4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    uint32_t a0[2 * S::KSTEPS], a1[2 * S::KSTEPS];
+    const uint32_t p0 = scale_pair(t.kscale[2 * j]), p1 = scale_pair(t.kscale[2 * j + 1]);
+#pragma unroll
+    for (int kw = 0; kw < S::KWORDS; ++kw) {
+      const uint32_t sel = kw < 2 || D == 64 ? 0x1010 : 0x3232;  // the word's block scale, twice
+      fp4_word(t.k[2 * j][kw], __byte_perm(p0, 0, sel), a0 + 4 * kw);
+      fp4_word(t.k[2 * j + 1][kw], __byte_perm(p1, 0, sel), a1 + 4 * kw);
+    }
+#pragma unroll
+    for (int kk = 0; kk < S::KSTEPS; ++kk)
+      mma16816(s[j], a0[2 * kk], a1[2 * kk], a0[2 * kk + 1], a1[2 * kk + 1], qf[kk][0], qf[kk][1]);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const bool live = (ok >> (16 * j + gid + 8 * (c >> 1))) & 1u;
+      s[j][c] = live ? s[j][c] * key_scale : -INFINITY;
+    }
+  }
+  // online softmax per query head (2 tig + e): the tile's maximum over the 8 lanes that share tig
+  float alpha[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float mx = fmaxf(fmaxf(s[0][e], s[0][e + 2]), fmaxf(s[1][e], s[1][e + 2]));
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float m_new = fmaxf(st.m[e], mx);
+    const float m_safe = m_new == -INFINITY ? 0.f : m_new;
+    alpha[e] = exp2f(st.m[e] - m_safe);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      s[j][e] = exp2f(s[j][e] - m_safe);
+      s[j][e + 2] = exp2f(s[j][e + 2] - m_safe);
+      sum += s[j][e] + s[j][e + 2];
+    }
+    st.l[e] = st.l[e] * alpha[e] + sum;
+    st.m[e] = m_new;
+  }
+#pragma unroll
+  for (int r = 0; r < S::VTILES; ++r) {
+    st.acc[r][0] *= alpha[0];
+    st.acc[r][1] *= alpha[1];
+    st.acc[r][2] *= alpha[0];
+    st.acc[r][3] *= alpha[1];
+  }
+  // values: O^T[channels, query heads] += V^T[channels, tokens] P^T[tokens, query heads]
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const uint32_t b0 = transpose8x8(half2_bits(s[j][0], s[j][1]));
+    const uint32_t b1 = transpose8x8(half2_bits(s[j][2], s[j][3]));
+    uint32_t x[4][4 * S::VWORDS];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int vt = 4 * j + u;
+      const bool live = (ok >> value_token(vt, tig)) & 1u;
+      const uint32_t sc = live ? __byte_perm(scale_pair(t.vscale[vt]), 0, 0x1010) : 0u;
+#pragma unroll
+      for (int vw = 0; vw < S::VWORDS; ++vw) fp4_word(t.v[vt][vw], sc, x[u] + 4 * vw);
+    }
+#pragma unroll
+    for (int r = 0; r < S::VTILES; ++r)
+      mma16816(st.acc[r], __byte_perm(x[0][r], x[1][r], 0x5410), __byte_perm(x[0][r], x[1][r], 0x7632),
+               __byte_perm(x[2][r], x[3][r], 0x5410), __byte_perm(x[2][r], x[3][r], 0x7632), b0, b1);
+  }
+}
+
+template <int D, typename T, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32, MIN_BLOCKS) nvfp4_partial_kernel(
+    const T* __restrict__ q, float* __restrict__ part, float* __restrict__ lse, const int64_t* __restrict__ table,
+    const uint8_t* __restrict__ valid, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ ks,
+    const float* __restrict__ khs, const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs,
+    const float* __restrict__ vhs, const int64_t* __restrict__ extent, int H, int G, int W, int BS, int per_split,
+    int n_splits, int first, int total, float qk_scale) {
+  using S = Shape<D>;
+  const int row = blockIdx.x / H, head = blockIdx.x % H, split = blockIdx.y;
+  const int lane = threadIdx.x, gid = lane >> 2, tig = lane & 3;
+  const int Hq = H * G;
+  int limit = W * BS, per = per_split;
+  if (extent != nullptr) {
+    limit = min((int)extent[row], limit);
+    per = cdiv(cdiv(limit, n_splits), TILE) * TILE;
+  }
+  const int start = split * per, end = min(start + per, limit);
+
+  // The query fragment (B operand of the key product), in the channel order of the key fragments,
+  // shifted by a power of two into fp16's range (exact for a bf16 query).
+  float qv[S::KSTEPS][2][2];
+  float amax = 0.f;
+  const T* qrow = q + ((int64_t)row * Hq + head * G + gid) * D;
+#pragma unroll
+  for (int kk = 0; kk < S::KSTEPS; ++kk)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int rho = 2 * kk + h;
+        const int ch = (D / 4) * tig + 8 * (rho >> 2) + word_channel(rho & 3, e);
+        const float x = gid < G ? to_float(qrow[ch]) : 0.f;
+        qv[kk][h][e] = x;
+        amax = fmaxf(amax, fabsf(x));
+      }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const int ex = (__float_as_uint(amax) >> 23) & 0xFF;
+  const float shift = ex < 255 ? __uint_as_float((uint32_t)min(268 - ex, 254) << 23) : 1.f;
+  uint32_t qf[S::KSTEPS][2];
+#pragma unroll
+  for (int kk = 0; kk < S::KSTEPS; ++kk)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) qf[kk][h] = half2_bits(qv[kk][h][0] * shift, qv[kk][h][1] * shift);
+  const float key_scale = qk_scale * khs[row * H + head] * 64.f / shift;
+
+  State<D> st;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.f;
+#pragma unroll
+  for (int r = 0; r < S::VTILES; ++r) st.acc[r][0] = st.acc[r][1] = st.acc[r][2] = st.acc[r][3] = 0.f;
+
+  Pools p{valid, kc, ks, vc, vs, (uint32_t)(H * S::ROW), (uint32_t)(H * S::BLOCKS),
+          (uint32_t)(head * S::ROW + (D / 8) * tig), (uint32_t)(head * S::BLOCKS + (D / 64) * tig),
+          (uint32_t)(head * S::ROW + (D / 16) * gid), (uint32_t)(head * S::BLOCKS + (D * gid) / 128)};
+  // Software pipeline over two tiles in turn (no copies between them): the codes of the next tile
+  // and the block table entries of the one after are in flight while a tile is computed.
+  Tile<D> ta, tb;
+  if (start < end)
+    load_tile<D>(ta, lane_slot(lane_block(table, row, W, BS, start + lane, end), BS, start + lane), p, gid, tig);
+  int64_t blk_ahead = lane_block(table, row, W, BS, start + TILE + lane, end);
+  for (int t0 = start; t0 < end; t0 += 2 * TILE) {
+    if (t0 + TILE < end) {
+      load_tile<D>(tb, lane_slot(blk_ahead, BS, t0 + TILE + lane), p, gid, tig);
+      blk_ahead = lane_block(table, row, W, BS, t0 + 2 * TILE + lane, end);
+    }
+    attend_tile<D>(ta, st, qf, key_scale, gid, tig);
+    if (t0 + TILE >= end) break;
+    if (t0 + 2 * TILE < end) {
+      load_tile<D>(ta, lane_slot(blk_ahead, BS, t0 + 2 * TILE + lane), p, gid, tig);
+      blk_ahead = lane_block(table, row, W, BS, t0 + 3 * TILE + lane, end);
+    }
+    attend_tile<D>(tb, st, qf, key_scale, gid, tig);
+  }
+
+  const float vscale = vhs[row * H + head] * 64.f;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) st.l[e] += __shfl_xor_sync(0xffffffffu, st.l[e], off);
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int g = 2 * tig + e;
+    if (g >= G) continue;
+    const int64_t at = ((int64_t)row * Hq + head * G + g) * total + first + split;
+    if (gid == 0) lse[at] = st.l[e] > 0.f ? st.m[e] + log2f(st.l[e]) : -INFINITY;
+    const float inv = vscale / fmaxf(st.l[e], 1e-30f);
+    float* out = part + at * D + (D / 8) * gid;
+#pragma unroll
+    for (int r = 0; r < S::VTILES; ++r) {
+      const int base = 8 * (r >> 2);
+      out[base + word_channel(r & 3, 0)] = st.acc[r][e] * inv;
+      out[base + word_channel(r & 3, 1)] = st.acc[r][e + 2] * inv;
+    }
+  }
+}
+
+template <int D, typename T, int MIN_BLOCKS>
+void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const at::Tensor& table, const at::Tensor& valid,
+            const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& khs, const at::Tensor& vc,
+            const at::Tensor& vs, const at::Tensor& vhs, const c10::optional<at::Tensor>& extent, int64_t block_size,
+            int64_t per_split, int64_t n_splits, int64_t first, int64_t total, double qk_scale) {
+  const int B = q.size(0), Hq = q.size(1), H = kc.size(1), W = table.size(1);
+  dim3 grid(B * H, n_splits);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  nvfp4_partial_kernel<D, T, MIN_BLOCKS><<<grid, 32, 0, stream>>>(
+      reinterpret_cast<const T*>(q.data_ptr()), part.data_ptr<float>(), lse.data_ptr<float>(),
+      table.data_ptr<int64_t>(), valid.data_ptr<uint8_t>(), kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(),
+      khs.data_ptr<float>(), vc.data_ptr<uint8_t>(), vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(),
+      extent.has_value() ? extent->data_ptr<int64_t>() : nullptr, H, Hq / H, W, (int)block_size, (int)per_split,
+      (int)n_splits, (int)first, (int)total, (float)qk_scale);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int D, typename T, int MIN_BLOCKS>
+int64_t resident() {
+  int n = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_partial_kernel<D, T, MIN_BLOCKS>, 32, 0);
+  return n;
+}
+
+}  // namespace
+
+void nvfp4_partial(at::Tensor q, at::Tensor part, at::Tensor lse, at::Tensor table, at::Tensor valid, at::Tensor kc,
+                   at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
+                   c10::optional<at::Tensor> extent, int64_t block_size, int64_t per_split, int64_t n_splits,
+                   int64_t first, int64_t total, double qk_scale, int64_t min_blocks) {
+  const int64_t D = q.size(-1);
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(D == 64 || D == 128, "nvfp4 partial kernel: head dim ", D, " not compiled; accepted: 64, 128");
+#define KVC_LAUNCH(DIM, TYPE, MINB) \
+  launch<DIM, TYPE, MINB>(q, part, lse, table, valid, kc, ks, khs, vc, vs, vhs, extent, block_size, per_split, \
+                          n_splits, first, total, qk_scale)
+#define KVC_TYPES(DIM, MINB) \
+  if (bf16) KVC_LAUNCH(DIM, __nv_bfloat16, MINB); else KVC_LAUNCH(DIM, __half, MINB)
+  if (D == 128 && min_blocks >= 10) { KVC_TYPES(128, 10); }
+  else if (D == 128) { KVC_TYPES(128, 1); }
+  else { KVC_TYPES(64, 1); }
+#undef KVC_TYPES
+#undef KVC_LAUNCH
+}
+
+int64_t nvfp4_resident(int64_t D, bool bf16, int64_t min_blocks) {
+  if (D == 128 && min_blocks >= 10) return bf16 ? resident<128, __nv_bfloat16, 10>() : resident<128, __half, 10>();
+  if (D == 128) return bf16 ? resident<128, __nv_bfloat16, 1>() : resident<128, __half, 1>();
+  return bf16 ? resident<64, __nv_bfloat16, 1>() : resident<64, __half, 1>();
+}

@@ -1,0 +1,95 @@
+"""The CUDA decode kernel of NVFP4 pools (ops.paged_attention.native): when it runs, and that it agrees with the reference."""
+
+import logging
+
+import pytest
+import torch
+
+from kvcompose.ops.paged_attention import native, paged_decode_attention, paged_decode_attention_torch
+from kvcompose.ops.paged_attention.launch import _native_plans
+
+from test_paged_attention import check_extent, make_source
+
+
+def test_native_kernel_takes_only_nvfp4_pools_it_was_written_for():
+    query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
+    assert native.fits(query, make_source("nvfp4", [20, 3], 2, 128))
+    assert not native.fits(query, make_source("fp8", [20, 3], 2, 128))
+    assert not native.fits(query.float(), make_source("nvfp4", [20, 3], 2, 128))
+    assert not native.fits(torch.zeros(2, 8, 1, 32, dtype=torch.bfloat16), make_source("nvfp4", [20, 3], 2, 32))
+    assert not native.fits(torch.zeros(2, 32, 1, 128, dtype=torch.bfloat16), make_source("nvfp4", [20, 3], 2, 128))
+
+
+def test_cpu_steps_never_plan_the_native_kernel():
+    query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
+    assert _native_plans(query, [make_source("nvfp4", [20, 3], 2, 128)], False, True) == (None, {}, 0)
+
+
+def test_backend_cuda_says_why_it_cannot_run():
+    src = make_source("nvfp4", [20, 3], 2, 128)
+    query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="backend='cuda' needs CUDA tensors"):
+        paged_decode_attention(query, [src], 0.1, backend="cuda")
+    with pytest.raises(ValueError, match="accepted: None .*'cuda'"):
+        paged_decode_attention(query, [src], 0.1, backend="cudnn")
+
+
+def test_disabled_native_kernel_is_reported_and_logged(monkeypatch, caplog):
+    monkeypatch.setattr(native, "ENABLED", False)
+    monkeypatch.setattr(native, "_STATE", {})
+    with caplog.at_level(logging.INFO, logger="kvcompose"):
+        assert native.module(torch.device("cuda", 0)) is None
+    assert "KVCOMPOSE_NATIVE_ATTENTION=0" in caplog.text
+    assert native._STATE[0] == (None, "KVCOMPOSE_NATIVE_ATTENTION=0")
+
+
+# ------------------------------------------------------------------- GPU
+
+
+def check_native(query, sources, tol=1.6e-2):
+    out = paged_decode_attention(query, sources, 0.1, backend="cuda")
+    ref = paged_decode_attention_torch(query, sources, 0.1)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (8, 128), (4, 64), (8, 64), (1, 128)])
+def test_cuda_native_kernel_matches_reference(group, head_dim):
+    lengths = [1, 0, 3000, 700, 16, 4097, 33]
+    H = 8 // group if group > 1 else 4
+    src = make_source("nvfp4", lengths, H, head_dim, device="cuda")
+    query = torch.randn(len(lengths), H * group, 1, head_dim, device="cuda").to(torch.bfloat16)
+    plans = _native_plans(query, [src], False, True)[1]
+    assert list(plans) == [0]  # the CUDA kernel runs this source
+    check_native(query, [src])
+    holes = make_source("nvfp4", lengths, H, head_dim, holes=True, seed=5, device="cuda")
+    buffer = make_source("dense", [5, 0, 15, 1, 0, 15, 3], H, head_dim, bs=15, seed=9, device="cuda")
+    check_native(query, [holes, buffer])
+    check_native(query, [src, make_source("ternary", lengths, H, head_dim, holes=True, seed=4, device="cuda"), buffer])
+    check_extent(query, [src, buffer], lengths, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,magnitude", [(torch.float16, 1.0), (torch.bfloat16, 1.0e5), (torch.bfloat16, 1e-3)])
+def test_cuda_native_kernel_keeps_any_query(dtype, magnitude):
+    lengths = [300, 0, 1000]
+    src = make_source("nvfp4", lengths, 2, 128, dtype=dtype, seed=3, device="cuda")
+    query = (torch.randn(len(lengths), 8, 1, 128, device="cuda") * magnitude).to(dtype)
+    out = paged_decode_attention(query, [src], 0.1 / magnitude, backend="cuda")
+    ref = paged_decode_attention_torch(query, [src], 0.1 / magnitude)
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+def test_cuda_native_kernel_replays_in_a_graph():
+    lengths = [500, 20, 1200]
+    src = make_source("nvfp4", lengths, 2, 128, device="cuda")
+    query = torch.randn(3, 8, 1, 128, device="cuda").to(torch.bfloat16)
+    eager = paged_decode_attention(query, [src], 0.1, backend="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(query, [src], 0.1, backend="cuda")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
