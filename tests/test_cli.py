@@ -51,6 +51,7 @@ def test_bench_reports_the_floor_and_the_ratios_for_every_run(capsys, tmp_path, 
         assert field in header
     data = json.loads(out_json.read_text())
     assert data["copy_tbps"] == 0.02 and "kv_bytes_read_per_step" in data["floor_method"]
+    assert data["attention_kernels"] == "torch reference (no CUDA device)"  # which kernel ran is reported
     rows = {r["preset"]: r for r in data["runs"]}
     assert list(rows) == ["transformers-static", "fullkv", "rkv"]
     for r in rows.values():

@@ -217,6 +217,8 @@ def _cmd_bench(args) -> int:
                            device="cuda" if cuda else None)
     model.generation_config.eos_token_id = None
     copy_tbps = speed.copy_tbps(model.device)  # what every run's floor divides by, measured once, here
+    kernels = speed.attention_kernels(model.device)
+    print(f"kvcompose: decode attention: {kernels}", file=sys.stderr)
     if cuda:
         torch.cuda.empty_cache()  # hand the copy's memory back before any run is measured
     window = None
@@ -256,7 +258,7 @@ def _cmd_bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"batch": None if capped else args.batch, "memory_gib": args.memory_gib, "prompt": args.prompt,
                        "new_tokens": args.new_tokens, "window": window, "copy_tbps": copy_tbps,
-                       "floor_method": speed.FLOOR_METHOD, "runs": rows}, f, indent=2)
+                       "floor_method": speed.FLOOR_METHOD, "attention_kernels": kernels, "runs": rows}, f, indent=2)
     return 0
 
 

@@ -107,6 +107,20 @@ def copy_times_ms(device, nbytes: int = COPY_BYTES, warmup: int = 3, repeats: in
     return times, 2 * src.numel() * src.element_size()
 
 
+def attention_kernels(device) -> str:
+    """Which decode attention a run on ``device`` uses, in words: the torch reference on CPU; on
+    CUDA the Triton kernel, and for NVFP4 pools the CUDA kernel where it is built (else why not)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "torch reference (no CUDA device)"
+    from .ops.paged_attention.native import native_status
+
+    status = native_status(device)
+    if status["kernel"] == "cuda":
+        return f"Triton; NVFP4 pools: CUDA ({status['reason']})"
+    return f"Triton; NVFP4 pools: Triton ({status['reason']})"
+
+
 def copy_tbps(device, nbytes: int | None = None) -> float:
     """Copy bandwidth of ``device`` in TB/s: read plus written bytes of :func:`copy_times_ms`
     over its median call. Default size: ``COPY_BYTES`` on a GPU; 1 GiB with one round of
