@@ -1,16 +1,18 @@
-"""Decode attention alone: the fused paged op per storage format against bf16 SDPA (flash).
+"""Decode attention alone: the fused paged op per storage format and kernel against bf16 SDPA (flash).
 
 Llama-3-8B shapes (32 query heads, 8 KV heads of 128), one query per row, B x L in
-{1 x 32K, 16 x 8K, 64 x 4K, 256 x 1K}. Every format's tokens sit in shuffled 16-slot
-blocks of a pool (kivi2: 32-slot blocks and token groups, as its preset) plus a 16-token
-bf16 recent buffer; the op is timed as a CUDA-graph replay (its partial launch and the
-merge). Reported per
-(format, shape): milliseconds, effective TB/s on the bytes the op must read (codes,
-scales, block tables, validity, queries), that rate as a fraction of the measured
-device-to-device copy bandwidth, and the speed-up over
-``F.scaled_dot_product_attention`` on bf16 K/V of the same logical tokens (flash
-backend, GQA, no mask). Each configuration is also checked against the torch
-reference on its first rows.
+{1 x 32K, 16 x 8K, 64 x 4K, 256 x 1K}, and 16 x 8K at head dim 64 (the embedded model's).
+Every format's tokens sit in shuffled 16-slot blocks of a pool (kivi2: 32-slot blocks and
+token groups, as its preset) plus a 16-token bf16 recent buffer; ``mixed`` is ThinKV's
+store, a ternary, an NVFP4 and an FP8 pool of a third of the tokens each. The op is timed
+as a CUDA-graph replay (its partial launches and the merge), once per kernel that takes the
+format: ``triton`` always, ``cuda`` (the CUDA kernel of NVFP4 pools) where it is built.
+Reported per (format, kernel, shape): milliseconds, effective TB/s on the bytes the op must
+read (codes, scales, block tables, validity, queries), that rate as a fraction of the
+device-to-device copy bandwidth measured in the same process, and the speed-ups over
+``F.scaled_dot_product_attention`` on bf16 K/V of the same logical tokens (flash backend,
+GQA, no mask) and over our own kernel on the bf16 pool. Each configuration is also checked
+against the torch reference on its first rows.
 
     python benchmarks/bench_attention_gpu.py --smoke     # a few seconds
     python benchmarks/bench_attention_gpu.py             # the grid -> results/attention_gpu.json
@@ -37,11 +39,13 @@ from kvcompose.ops.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_torch,
 )
-from kvcompose.ops.paged_attention.launch import TILE_SHAPE
+from kvcompose.ops.paged_attention import native
+from kvcompose.ops.paged_attention.launch import NATIVE_TILE, TILE_SHAPE
 
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, BUFFER = 32, 8, 128, 16, 16
-SHAPES = [(1, 32768), (16, 8192), (64, 4096), (256, 1024)]
-SMOKE_SHAPES = [(1, 4096), (16, 1024)]
+Q_HEADS, KV_HEADS, BLOCK, BUFFER = 32, 8, 16, 16
+SHAPES = [(1, 32768, 128), (16, 8192, 128), (64, 4096, 128), (256, 1024, 128), (16, 8192, 64)]  # (B, L, head dim)
+SMOKE_SHAPES = [(1, 4096, 128), (16, 1024, 64)]
+MIXED = ("ternary", "nvfp4", "fp8")  # thinkv's store: a pool per format, a third of the tokens each
 FORMATS = {  # label -> (key quantizer spec, value quantizer spec); None: bf16 as stored
     "bf16": (None, None),
     "fp8": ("fp8", "fp8"),
@@ -51,6 +55,7 @@ FORMATS = {  # label -> (key quantizer spec, value quantizer spec); None: bf16 a
     "int2": ({"name": "int", "bits": 2, "group_size": 32},) * 2,
     "kivi2": ({"name": "int", "bits": 2, "layout": "kivi", "token_group": 32},
               {"name": "int", "bits": 2, "layout": "kivi", "token_group": 32}),
+    "mixed": (None, None),  # built from MIXED
 }
 BLOCK_SIZES = {"kivi2": 32}  # the kivi2 preset's blocks and token groups (16-slot blocks elsewhere)
 UNIT = {"fp8": 1 / 448, "nvfp4": 1 / (6 * 448), "ternary": 1 / 448}
@@ -70,9 +75,13 @@ def operand(spec, role: str, x: torch.Tensor, row_of: torch.Tensor, B: int) -> K
     return KVOperand(fmt, p.codes, p.scale, p.minimum, bits=q.bits, token_group=q.token_group)
 
 
-def build(label: str, B: int, L: int, device) -> tuple[list[PagedSource], torch.Tensor, torch.Tensor]:
-    """The pool + buffer sources of ``B`` rows of ``L`` tokens, and the same tokens as dense bf16 K, V."""
-    g = torch.Generator(device=device).manual_seed(0)
+def build(label: str, B: int, L: int, device, dim: int = 128, seed: int = 0) -> list[PagedSource]:
+    """The pool + buffer sources of ``B`` rows of ``L`` tokens of head dim ``dim``; ``mixed``: a
+    pool of each format of ``MIXED`` (a third of the tokens each) and the buffer."""
+    if label == "mixed":
+        parts = [build(fmt, B, (L - BUFFER) // 3 + BUFFER, device, dim, i) for i, fmt in enumerate(MIXED)]
+        return [p[0] for p in parts] + [parts[0][1]]
+    g = torch.Generator(device=device).manual_seed(seed)
     pool_tokens = L - BUFFER
     bs = BLOCK_SIZES.get(label, BLOCK)
     W = pool_tokens // bs  # kivi2: 16 tokens fewer than L - BUFFER (whole 32-slot blocks)
@@ -82,14 +91,14 @@ def build(label: str, B: int, L: int, device) -> tuple[list[PagedSource], torch.
     n = B * W * bs
     kspec, vspec = FORMATS[label]
     # Quantize in chunks to bound the temporary bf16 tensors.
-    k = torch.randn(n, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(n, KV_HEADS, dim, device=device, dtype=torch.bfloat16, generator=g)
     key = operand(kspec, "key", k, row_of, B)
     del k
-    v = torch.randn(n, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(n, KV_HEADS, dim, device=device, dtype=torch.bfloat16, generator=g)
     value = operand(vspec, "value", v, row_of, B)
     del v
     valid = torch.ones(n, dtype=torch.bool, device=device)
-    buf = torch.randn(2, B * BUFFER, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g)
+    buf = torch.randn(2, B * BUFFER, KV_HEADS, dim, device=device, dtype=torch.bfloat16, generator=g)
     buffer = PagedSource(KVOperand("dense", buf[0]), KVOperand("dense", buf[1]),
                          torch.arange(B, device=device)[:, None], BUFFER, torch.ones(B * BUFFER, dtype=torch.bool,
                                                                                       device=device))
@@ -100,7 +109,7 @@ def sdpa_ms(query: torch.Tensor, B: int, L: int) -> tuple[float, str]:
     """bf16 SDPA over ``L`` tokens per row, flash backend with GQA (or the best backend that runs)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    k = torch.randn(B, KV_HEADS, L, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, KV_HEADS, L, query.shape[-1], device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
         try:
@@ -113,7 +122,7 @@ def sdpa_ms(query: torch.Tensor, B: int, L: int) -> tuple[float, str]:
     raise RuntimeError("no SDPA backend ran")
 
 
-def check(query, sources) -> float:
+def check(query, sources, kernel: str) -> float:
     """Max abs difference to the torch reference on the first two rows."""
     n = min(2, query.shape[0])
 
@@ -121,41 +130,53 @@ def check(query, sources) -> float:
         return dataclasses.replace(op, head_scale=None if op.head_scale is None else op.head_scale[:n])
 
     sub = [dataclasses.replace(s, key=rows(s.key), value=rows(s.value), table=s.table[:n]) for s in sources]
-    out = paged_decode_attention(query[:n], sub, HEAD_DIM ** -0.5)
-    ref = paged_decode_attention_torch(query[:n], sub, HEAD_DIM ** -0.5)
+    out = paged_decode_attention(query[:n], sub, query.shape[-1] ** -0.5, backend=kernel)
+    ref = paged_decode_attention_torch(query[:n], sub, query.shape[-1] ** -0.5)
     return (out.float() - ref.float()).abs().max().item()
 
 
-def run(shapes, formats, repeats: int) -> tuple[float, list[dict]]:
+def kernels_for(sources: list[PagedSource], query: torch.Tensor, kernels: list[str]) -> list[str]:
+    """The kernels to time for these sources: "triton" always, "cuda" where the CUDA kernel takes the pool."""
+    return [k for k in kernels if k == "triton" or any(native.fits(query, s) for s in sources)]
+
+
+def run(shapes, formats, repeats: int, kernels: list[str]) -> tuple[float, list[dict]]:
     copy = copy_tbps("cuda")
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     results = []
-    for B, L in shapes:
-        query = torch.randn(B, Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    for B, L, dim in shapes:
+        query = torch.randn(B, Q_HEADS, 1, dim, device="cuda", dtype=torch.bfloat16)
         base_ms, backend = sdpa_ms(query, B, L)
         torch.cuda.empty_cache()
+        bf16_ms = None
         for label in formats:
-            sources = build(label, B, L, "cuda")
-            ms = graph_ms(lambda: paged_decode_attention(query, sources, HEAD_DIM ** -0.5), repeats)
-            nbytes = bytes_read(sources, query)
-            tbps = nbytes / (ms * 1e-3) / 1e12
-            row = {"format": label, "batch": B, "tokens": L, "ms": ms, "bytes": nbytes, "tb_per_s": tbps,
-                   "fraction_of_copy": tbps / copy, "sdpa_ms": base_ms, "sdpa_backend": backend,
-                   "speedup_vs_sdpa": base_ms / ms, "max_abs_diff_vs_reference": check(query, sources),
-                   "launch": dict(zip(("tile_tokens", "warps"), TILE_SHAPE))}
-            results.append(row)
-            print(f"{label:8s} B={B:4d} L={L:6d}  {ms:8.4f} ms  {tbps:5.2f} TB/s  {row['fraction_of_copy']:5.1%} "
-                  f"of copy  sdpa {base_ms:8.4f} ms ({backend})  x{row['speedup_vs_sdpa']:.2f}  "
-                  f"diff {row['max_abs_diff_vs_reference']:.2e}", flush=True)
+            sources = build(label, B, L, "cuda", dim)
+            for kernel in kernels_for(sources, query, kernels):
+                ms = graph_ms(lambda: paged_decode_attention(query, sources, dim ** -0.5, backend=kernel), repeats)
+                bf16_ms = ms if label == "bf16" else bf16_ms
+                nbytes = bytes_read(sources, query)
+                tbps = nbytes / (ms * 1e-3) / 1e12
+                row = {"format": label, "kernel": kernel, "batch": B, "tokens": L, "head_dim": dim, "ms": ms,
+                       "bytes": nbytes, "tb_per_s": tbps, "fraction_of_copy": tbps / copy, "sdpa_ms": base_ms,
+                       "sdpa_backend": backend, "speedup_vs_sdpa": base_ms / ms,
+                       "speedup_vs_bf16_kernel": None if bf16_ms is None else bf16_ms / ms,
+                       "max_abs_diff_vs_reference": check(query, sources, kernel),
+                       "launch": dict(zip(("tile_tokens", "warps"), TILE_SHAPE)) if kernel == "triton" else
+                       {"tile_tokens": NATIVE_TILE, "warps": 1, "min_blocks": native.MIN_BLOCKS}}
+                results.append(row)
+                print(f"{label:8s} {kernel:6s} B={B:4d} L={L:6d} D={dim:3d}  {ms:8.4f} ms  {tbps:5.2f} TB/s  "
+                      f"{row['fraction_of_copy']:5.1%} of copy  sdpa {base_ms:8.4f} ms ({backend})  "
+                      f"x{row['speedup_vs_sdpa']:.2f}  diff {row['max_abs_diff_vs_reference']:.2e}", flush=True)
             del sources
             torch.cuda.empty_cache()
     return copy, results
 
 
 def table(results: list[dict]) -> str:
-    rows = [[r["format"], f"{r['batch']}x{r['tokens']}", f"{r['ms']:.4f}", f"{r['tb_per_s']:.2f}",
-             f"{r['fraction_of_copy']:.0%}", f"{r['sdpa_ms']:.4f}", f"{r['speedup_vs_sdpa']:.2f}"] for r in results]
-    return format_table(["format", "BxL", "ms", "TB/s", "of copy", "sdpa ms", "speedup"], rows)
+    rows = [[r["format"], r["kernel"], f"{r['batch']}x{r['tokens']}x{r['head_dim']}", f"{r['ms']:.4f}",
+             f"{r['tb_per_s']:.2f}", f"{r['fraction_of_copy']:.0%}", f"{r['sdpa_ms']:.4f}", f"{r['speedup_vs_sdpa']:.2f}"]
+            for r in results]
+    return format_table(["format", "kernel", "BxLxD", "ms", "TB/s", "of copy", "sdpa ms", "x sdpa"], rows)
 
 
 def main(argv=None) -> int:
@@ -163,6 +184,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="two small shapes, few repeats")
     p.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--kernels", nargs="*", default=["triton", "cuda"], choices=["triton", "cuda"],
+                   help="cuda: the CUDA kernel, timed where it takes the format and is built")
     p.add_argument("--out", default=str(result_path("attention_gpu")), help="history file the run is added to")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -170,11 +193,15 @@ def main(argv=None) -> int:
         return 2
     log = ResultLog(args.out)
     wall = time.perf_counter()
-    copy, results = run(SMOKE_SHAPES if args.smoke else SHAPES, args.formats, 5 if args.smoke else args.repeats)
+    status = native.native_status(torch.device("cuda"))
+    print(f"CUDA kernel: {status['kernel']} ({status['reason']})", flush=True)
+    kernels = [k for k in args.kernels if k == "triton" or status["kernel"] == "cuda"]
+    copy, results = run(SMOKE_SHAPES if args.smoke else SHAPES, args.formats, 5 if args.smoke else args.repeats,
+                        kernels)
     data = {"benchmark": "fused paged decode attention vs bf16 SDPA", "smoke": args.smoke,
-            "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "block_sizes": BLOCK_SIZES,
+            "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "block_size": BLOCK, "mixed": MIXED, "block_sizes": BLOCK_SIZES,
                        "buffer_tokens": BUFFER},
-            "targets": TARGETS, "copy_tb_per_s": copy, "results": results,
+            "targets": TARGETS, "copy_tb_per_s": copy, "native_kernel": status, "results": results,
             "seconds": time.perf_counter() - wall}
     if not args.smoke:
         print(f"wrote {log.save(data)}")

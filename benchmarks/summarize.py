@@ -253,10 +253,12 @@ def attention(lines: list[str]) -> None:
         return
     t = data["targets"]
     lines += ["## Fused paged decode attention", "", f"`attention_gpu.json` — {_env(data)}", "",
-              "One decode step of one layer at Llama-3-8B shapes (32 query heads, 8 KV heads of 128): the tokens "
-              "sit in shuffled 16-slot blocks (kivi2: 32-slot blocks and token groups, as its preset) in their storage "
-              "format plus a 16-token bf16 buffer; the op is timed "
-              "as a CUDA-graph replay (its partial launch and the merge). TB/s counts the bytes the op "
+              "One decode step of one layer at Llama-3-8B shapes (32 query heads, 8 KV heads of 128, and head dim "
+              "64 where D says so): the tokens sit in shuffled 16-slot blocks (kivi2: 32-slot blocks and token "
+              "groups, as its preset) in their storage format plus a 16-token bf16 buffer; *mixed* is ThinKV's "
+              "store (a ternary, an NVFP4 and an FP8 pool of a third of the tokens each). The op is timed "
+              "as a CUDA-graph replay (its partial launches and the merge), once per kernel: *triton*, and *cuda* "
+              "(the CUDA kernel of NVFP4 pools) where it ran. TB/s counts the bytes the op "
               f"must read (codes, scales, block tables, validity, queries); copy bandwidth "
               f"**{data['copy_tb_per_s']:.2f} TB/s**. SDPA: bf16 K/V of the same logical tokens, flash backend, "
               f"no mask. Targets: {t['frac_copy']:.0%} of copy at the three larger shapes; speed-up "
@@ -267,11 +269,15 @@ def attention(lines: list[str]) -> None:
     def launch(r):
         return f"{r['launch']['tile_tokens']} x {r['launch']['warps']}" if "launch" in r else ""
 
-    rows = [[r["format"], f"{r['batch']}x{r['tokens']}", launch(r), f"{1e3 * r['ms']:.0f}", f"{r['tb_per_s']:.2f}",
-             f"{100 * r['fraction_of_copy']:.0f}", f"{1e3 * r['sdpa_ms']:.0f}", f"{r['speedup_vs_sdpa']:.2f}",
+    def vs_bf16(r):
+        return f"{r['speedup_vs_bf16_kernel']:.2f}" if r.get("speedup_vs_bf16_kernel") else ""
+
+    rows = [[r["format"], r.get("kernel", "triton"), f"{r['batch']}x{r['tokens']}x{r.get('head_dim', 128)}", launch(r),
+             f"{1e3 * r['ms']:.0f}", f"{r['tb_per_s']:.2f}", f"{100 * r['fraction_of_copy']:.0f}",
+             f"{1e3 * r['sdpa_ms']:.0f}", f"{r['speedup_vs_sdpa']:.2f}", vs_bf16(r),
              f"{r['max_abs_diff_vs_reference']:.1e}"] for r in data["results"]]
-    lines += _table(["format", "B x L", "launch", "µs", "TB/s", "% of copy", "SDPA µs", "speed-up",
-                     "max diff vs ref"], rows) + [""]
+    lines += _table(["format", "kernel", "B x L x D", "launch", "µs", "TB/s", "% of copy", "SDPA µs", "x SDPA",
+                     "x bf16 kernel", "max diff vs ref"], rows) + [""]
 
 
 def eviction(lines: list[str]) -> None:
