@@ -22,7 +22,7 @@ def test_native_kernel_takes_only_nvfp4_pools_it_was_written_for():
 
 def test_cpu_steps_never_plan_the_native_kernel():
     query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
-    assert _native_plans(query, [make_source("nvfp4", [20, 3], 2, 128)], False, True) == (None, {}, 0)
+    assert _native_plans(query, [make_source("nvfp4", [20, 3], 2, 128)], False, "auto") == (None, {}, 0)
 
 
 def test_backend_cuda_says_why_it_cannot_run():
@@ -59,8 +59,10 @@ def test_cuda_native_kernel_matches_reference(group, head_dim):
     H = 8 // group if group > 1 else 4
     src = make_source("nvfp4", lengths, H, head_dim, device="cuda")
     query = torch.randn(len(lengths), H * group, 1, head_dim, device="cuda").to(torch.bfloat16)
-    plans = _native_plans(query, [src], False, True)[1]
+    plans = _native_plans(query, [src], False, "cuda")[1]
     assert list(plans) == [0]  # the CUDA kernel runs this source
+    assert list(_native_plans(query, [src], False, "auto")[1]) == ([0] if head_dim == 128 else [])
+    assert _native_plans(query, [src], True, "cuda")[1] == {}  # scores requested: the Triton kernel writes them
     check_native(query, [src])
     holes = make_source("nvfp4", lengths, H, head_dim, holes=True, seed=5, device="cuda")
     buffer = make_source("dense", [5, 0, 15, 1, 0, 15, 3], H, head_dim, bs=15, seed=9, device="cuda")

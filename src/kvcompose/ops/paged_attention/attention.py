@@ -26,9 +26,9 @@ def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scal
     ``backend``: None (the kernels on CUDA, the torch reference elsewhere), "triton" (the Triton
     kernel only: CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``), "cuda" (the CUDA
     kernel of :mod:`.native` for the sources it takes, built or an error; Triton for the rest),
-    "torch". On CUDA, None runs the CUDA kernel wherever it is built and takes the source
-    (:func:`~kvcompose.ops.paged_attention.native.native_status` says whether it is built and
-    why not). Rows with no valid token get zeros.
+    "torch". On CUDA, None runs the CUDA kernel where it is built, takes the source and is the
+    faster one (head dim 128; :func:`~kvcompose.ops.paged_attention.native.native_status` says
+    whether it is built and why not). Rows with no valid token get zeros.
 
     The torch path reads a source's decoded copy (:attr:`PagedSource.decoded`, kept by the
     store on CPU) where it has one in the query dtype, instead of decoding every slot of the
@@ -47,7 +47,8 @@ def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scal
     if not step_kernel_runs(query, _paged_partial_kernel, kernels, fits):
         sources = [s.with_decoded(query.dtype) for s in sources]
         return paged_decode_attention_torch(query, sources, scaling, return_probs=probs, mass=mass)
-    return paged_decode_triton(query, sources, scaling, probs, mass, native=backend != "triton")
+    native = {None: "auto", "cuda": "cuda", "triton": "off"}[backend]
+    return paged_decode_triton(query, sources, scaling, probs, mass, native=native)
 
 
 def require_native(query: torch.Tensor) -> None:

@@ -103,11 +103,11 @@ def kernel_fits(query: torch.Tensor, sources: list[PagedSource]) -> bool:
     return D == next_pow2(D) and D // per >= 16
 
 
-def paged_decode_triton(query, sources, scaling, probs, mass=None, native: bool = True):
+def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str = "auto"):
     """:func:`~kvcompose.ops.paged_attention.paged_decode_attention` through the kernels (inputs checked):
     one partial launch for all sources, one merge, and one mass launch per source with ``mass``.
-    With ``native``, each source the CUDA kernel takes (:mod:`.native`) gets a launch of its own
-    instead, where that kernel is built; both write into the one merge."""
+    Each source the CUDA kernel takes (:mod:`.native`; ``native``: see :func:`_native_plans`)
+    gets a launch of its own instead, where that kernel is built; both write into the one merge."""
     B, Hq, _, D = query.shape
     if not interpreted(_paged_partial_kernel) and not kernel_fits(query, sources):
         raise ValueError(f"the paged attention kernel needs a power-of-two head dim with >= 16 channels per code "
@@ -155,11 +155,14 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: bool 
     return out, torch.exp2(logits - final[..., None]).nan_to_num(0.0)  # -inf - -inf (empty row) -> 0
 
 
-def _native_plans(q: torch.Tensor, sources: list[PagedSource], scores: bool, native: bool) -> tuple:
+def _native_plans(q: torch.Tensor, sources: list[PagedSource], scores: bool, native: str) -> tuple:
     """The sources the CUDA kernel runs (none where scores are written, it has no built module
-    or does not take them): ``(module, {source index: (first partial result, tokens per split,
-    splits)}, partial results they take)``."""
-    if not native or scores or not q.is_cuda:
+    or does not take them; ``native="auto"``: only at the head dims where it is the faster,
+    ``"cuda"``: wherever it takes the source, ``"off"``: none): ``(module, {source index:
+    (first partial result, tokens per split, splits)}, partial results they take)``."""
+    if native == "off" or scores or not q.is_cuda:
+        return None, {}, 0
+    if native == "auto" and q.shape[-1] not in native_kernel.AUTO_HEAD_DIMS:
         return None, {}, 0
     take = [i for i, s in enumerate(sources) if native_kernel.fits(q, s) and not small_source(s)]
     built = native_kernel.module(q.device) if take else None

@@ -31,6 +31,10 @@ log = logging.getLogger("kvcompose")
 #: ``KVCOMPOSE_NATIVE_ATTENTION=0`` keeps every step on the Triton kernel.
 ENABLED = os.environ.get("KVCOMPOSE_NATIVE_ATTENTION", "1") != "0"
 HEAD_DIMS = (64, 128)
+#: Head dims where ``backend=None`` picks the CUDA kernel: measured on an H200
+#: (``benchmarks/results/attention_gpu.json``), it beat the Triton kernel at 128 (1.02-1.27x on
+#: NVFP4 pools) and lost at 64 (0.93x at 16 x 8K), so head dim 64 runs it only when asked.
+AUTO_HEAD_DIMS = (128,)
 MAX_GROUP = 8  # query heads per KV head: the mma's 8 columns
 #: Programs the compiled head-dim-128 kernel is held to fit per SM (registers capped to match): 1 or 10.
 MIN_BLOCKS = 1
