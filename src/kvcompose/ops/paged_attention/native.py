@@ -50,7 +50,8 @@ def fits(query: torch.Tensor, src: PagedSource) -> bool:
             and query.dtype in (torch.bfloat16, torch.float16) and query.shape[1] // H <= MAX_GROUP
             and src.table.dtype == torch.int64 and src.key.codes.is_contiguous() and src.value.codes.is_contiguous()
             and src.key.scale.is_contiguous() and src.value.scale.is_contiguous()
-            and max(src.key.codes.numel(), src.value.codes.numel()) < 2 ** 32)  # the kernel's 32-bit offsets
+            and max(src.key.codes.numel(), src.value.codes.numel()) < 2 ** 32  # the kernel's 32-bit offsets
+            and all(t.data_ptr() % 16 == 0 for t in (src.key.codes, src.key.scale, src.value.codes, src.value.scale)))
 
 
 def module(device: torch.device):
