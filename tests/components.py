@@ -18,11 +18,12 @@ from kvcompose.evictors import Evictor
 from kvcompose.filters import SharingFilter
 from kvcompose.pagers import Pager
 from kvcompose.quantizers import Quantizer
+from kvcompose.rotations import Rotation
 from kvcompose.triggers import Trigger
 
 #: The base class every component of a kind derives from.
 BASES = {"quantizer": Quantizer, "classifier": Classifier, "evictor": Evictor, "pager": Pager, "trigger": Trigger,
-         "filter": SharingFilter}
+         "filter": SharingFilter, "rotation": Rotation}
 
 #: Fields for components whose defaults alone cannot build them.
 FIELDS = {
@@ -53,10 +54,12 @@ BAD = {
     ("trigger", "interval"): ({"period": 0}, "interval trigger: period must be an int >= 1, got 0"),
     ("filter", "collaborative"): ({"warmup": -1}, "collaborative filter: warmup=-1; accepted: an integer >= 0"),
     ("filter", "random"): ({"rate": 2}, "random filter: rate=2; accepted: a number in [0, 1]"),
+    ("rotation", "hadamard"): ({"seed": -1}, "hadamard rotation: seed must be an integer >= 0, got -1"),
 }
 
 _STREAMINGLLM, _H2O, _SNAPKV, _KIVI = "2309.17453", "2306.14048", "2404.14469", "2402.02750"
 _RKV, _RPC, _THINKV, _REASONCACHE, _FP8 = "2505.24133", "2505.13866", "2510.01290", "2507.21433", "2209.05433"
+_QUAROT = "2404.00456"
 
 #: The arXiv ids each built-in method's module docstring cites (components of no paper are absent).
 PAPERS = {
@@ -79,6 +82,7 @@ PAPERS = {
     ("trigger", "segment_end"): [_THINKV],
     ("filter", "collaborative"): [_REASONCACHE],
     ("filter", "random"): [_REASONCACHE],
+    ("rotation", "hadamard"): [_QUAROT],
 }
 
 

@@ -382,7 +382,7 @@ CASES = [
     Case("unknown-component", lambda _: P(evictor="kmeans", trigger="over_budget", budget=64), UnknownComponentError,
          "unknown evictor 'kmeans'; known evictors: attention, h2o, rkv, tbe, window"),
     Case("unknown-kind", lambda _: registry.get("scorer", "x"), UnknownComponentError,
-         "unknown component kind 'scorer'; known kinds: quantizer, classifier, evictor, pager, trigger, filter"),
+         "unknown component kind 'scorer'; known kinds: quantizer, classifier, evictor, pager, trigger, filter, rotation"),
     Case("unknown-component-field", lambda _: P.from_preset("rkv", evictor={"alpha": 1}), ValueError,
          "evictor 'rkv' has no field(s) ['alpha']; accepted fields: ['gqa', 'head_reduce', 'keep_recent_similar', "
          "'lam', 'pool', 'pool_width', 'threshold', 'window', 'window_reduce']"),

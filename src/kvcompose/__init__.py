@@ -1,6 +1,6 @@
 """kvcompose: composable KV-cache compression for reasoning LLMs in Hugging Face decoders."""
 
-from . import classifiers, evictors, filters, pagers, quantizers, triggers  # noqa: F401  (registers the built-in components)
+from . import classifiers, evictors, filters, pagers, quantizers, rotations, triggers  # noqa: F401  (registers the built-in components)
 from .hf import KVComposeCache, register_with_transformers
 from .policies import Policy, presets
 from .registry import available, register

@@ -13,7 +13,7 @@ import dataclasses
 from importlib.metadata import entry_points
 from typing import Any, Callable, TypeVar
 
-KINDS = ("quantizer", "classifier", "evictor", "pager", "trigger", "filter")
+KINDS = ("quantizer", "classifier", "evictor", "pager", "trigger", "filter", "rotation")
 ENTRY_POINT_GROUP = "kvcompose.components"
 
 _REGISTRY: dict[str, dict[str, type]] = {kind: {} for kind in KINDS}

@@ -15,7 +15,7 @@ from kvcompose.triggers import OverBudget
 def test_unknown_component_lists_known_names():
     with pytest.raises(KeyError, match=r"unknown evictor 'nope'; known evictors: .*window"):
         registry.get("evictor", "nope")
-    with pytest.raises(KeyError, match="known kinds: quantizer, classifier, evictor, pager, trigger, filter"):
+    with pytest.raises(KeyError, match="known kinds: quantizer, classifier, evictor, pager, trigger, filter, rotation"):
         registry.get("gizmo", "x")
 
 

@@ -26,7 +26,7 @@ from .integration import integration
 from .overrides import apply_overrides
 
 COMPONENT_FIELDS = {"evictor": "evictor", "trigger": "trigger", "pager": "pager", "classifier": "classifier",
-                    "filter": "filter"}
+                    "filter": "filter", "rotation": "rotation"}
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Policy:
     classifier: Any = None  # thought classifier: assigns each new segment a class of ``precision``
     refresh: int = 128  # tokens per thought segment: the classifier runs once per segment (ThinKV tau)
     filter: Any = None  # sharing filter: which sealed blocks the share pager maps onto earlier ones (ReasonCache)
+    rotation: Any = None  # rotation of the stored keys and values (e.g. "hadamard"); None: as computed
 
     def __post_init__(self) -> None:
         for fname, kind in COMPONENT_FIELDS.items():

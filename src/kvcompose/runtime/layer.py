@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..paging import LayerStore
+from ..rotations import rotate, unrotate
 from .attention import dense_attention, paged_attention
 from .compression import compress, compress_in_place
 from .errors import CacheReuseError
@@ -33,6 +34,7 @@ class LayerRuntime:
         self.queries: torch.Tensor | None = None
         self.query_positions: torch.Tensor | None = None
         self.scaling = 1.0
+        self.rotation_matrices = None  # built at the first step (see _rotation); False: none
 
     def attend(self, query, key, value, real, scaling: float, columns: int | None = None) -> torch.Tensor:
         """Store the new tokens, attend over the kept ones, then let the policy compress.
@@ -44,6 +46,9 @@ class LayerRuntime:
         """
         self._check_continues(columns, key.shape[2])
         self.scaling = scaling
+        rotation = self._rotation(key)
+        if rotation is not None:  # stored, scored and attended rotated; the output is turned back
+            query, key, value = rotate(query, rotation), rotate(key, rotation), rotate(value, rotation)
         plan = self.cache.step_plan
         if plan is None:
             positions = self._append_eager(query, key, value, real)
@@ -63,7 +68,20 @@ class LayerRuntime:
             self._scheduled_work(plan, query, view, scaling)
         else:
             self._after_eager_step(query, view, positions, scaling, evict=not in_place)
+        if rotation is not None:
+            out = unrotate(out, rotation)
         return out.transpose(1, 2).contiguous()
+
+    def _rotation(self, key: torch.Tensor) -> torch.Tensor | None:
+        """The policy's rotation matrices of this layer ``[H, D, D]`` on the keys' device, built at
+        the first step (a prefill, never inside a captured step); None without a rotation."""
+        spec = self.cache.policy.rotation
+        if spec is None:
+            return None
+        if self.rotation_matrices is None:
+            m = spec.matrices(self.layer_idx, key.shape[1], key.shape[-1])
+            self.rotation_matrices = False if m is None else m.to(key.device)
+        return self.rotation_matrices if self.rotation_matrices is not False else None
 
     def _append_eager(self, query, key, value, real) -> torch.Tensor:
         """Append a prefill or an eager step's tokens (padding skipped); returns their positions
