@@ -76,20 +76,23 @@ def packaged_prompts(ids):
 
 
 class Capture:
-    """Cache observer: keys/values of every token and the last query, per layer."""
+    """Cache observer: keys/values of every token and the last query (``[Hq, D]``), or the last
+    ``queries`` queries (``[Hq, queries, D]``), per layer."""
 
-    def __init__(self):
+    def __init__(self, queries: int = 1):
         self.layers = {}
+        self.queries = queries
 
     def __call__(self, layer_idx, query, view, positions, scaling):
         valid = view.valid[0]
         order = view.positions[0][valid].argsort()
         k = view.keys[0][:, valid][:, order]  # [H, L, D]
         v = view.values[0][:, valid][:, order]
-        self.layers[layer_idx] = (query[0, :, -1].clone(), k.clone(), v.clone(), scaling)
+        q = query[0, :, -1] if self.queries == 1 else query[0, :, -self.queries:]
+        self.layers[layer_idx] = (q.clone(), k.clone(), v.clone(), scaling)
 
 
-def capture(model, tok, prompt, new_tokens):
+def capture(model, tok, prompt, new_tokens, queries: int = 1):
     """Greedy answer, then one forward of prompt + answer on a fullkv cache; returns (per-layer captures, P, L).
 
     The answer is generated with transformers' own SDPA attention and cache (``fullkv``
@@ -110,7 +113,7 @@ def capture(model, tok, prompt, new_tokens):
     if len(eos):  # keep the answer up to and including its first EOS
         answer = answer[: int(eos[0]) + 1]
     ids = torch.cat([prompt_ids[0], answer])[None]
-    cap = Capture()
+    cap = Capture(queries)
     cache = Policy.from_preset("fullkv").make_cache(model)
     cache.observers.append(cap)
     model.set_attn_implementation("kvcompose")
