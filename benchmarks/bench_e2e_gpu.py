@@ -42,6 +42,9 @@ The environment (GPU, versions, git commit and dirty flag) is read by the script
     python benchmarks/bench_e2e_gpu.py --smoke                       # tiny model, seconds
     python benchmarks/bench_e2e_gpu.py --smoke --device cpu --policies fullkv,rkv   # on a CPU, about 1 min
     python benchmarks/bench_e2e_gpu.py --scenarios a --out benchmarks/results/e2e_gpu.json
+
+A policy named ``preset+rotation`` (``nvfp4+hadamard``) is the preset with that rotation of the
+stored keys and values; its records carry that name.
 """
 
 from __future__ import annotations
@@ -95,10 +98,13 @@ def build_model(smoke: bool, device: str = "cuda"):
 
 
 def make_policy(name: str, budget: int, smoke: bool):
+    """The preset ``name`` as the scenario runs it; ``preset+rotation`` (``nvfp4+hadamard``) adds
+    that rotation of the stored keys and values."""
     from kvcompose import Policy
     from kvcompose.speed import warm_up_policy
 
-    overrides = {}
+    name, _, rotation = name.partition("+")
+    overrides = {"rotation": rotation} if rotation else {}
     if name in BUDGETED:
         overrides["budget"] = budget
     if name.startswith("thinkv"):

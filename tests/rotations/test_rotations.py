@@ -106,3 +106,24 @@ def test_every_preset_takes_a_rotation_and_its_config_keeps_it():
         policy = Policy.from_preset(name, rotation={"name": "hadamard", "seed": 3})
         again = Policy.from_config(policy.to_config())
         assert again.rotation == policy.rotation and again.to_config() == policy.to_config()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["nvfp4", "rkv", "thinkv"])
+def test_cuda_static_decode_and_graphs_give_the_eager_tokens_with_rotation(preset):
+    """Head dim 64 (the compiled paged kernels take every format there), the CUDA graphs on."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config).cuda().eval().float()
+    model.set_attn_implementation("kvcompose")
+    overrides = {"rkv": {"budget": 32, "trigger": {"buffer": 8}}, "thinkv": {"budget": 48, "refresh": 16}}
+    policy = Policy.from_preset(preset, rotation="hadamard", **overrides.get(preset, {}))
+    _, ids, mask = left_padded([20, 13, 31])
+    ids, mask = ids.cuda(), mask.cuda()
+    plain = fast_generate(model, policy.make_cache(model), ids, mask, 40, graphs=False)
+    cache = policy.make_cache(model)
+    assert torch.equal(plain, fast_generate(model, cache, ids, mask, 40, graphs=True))
+    assert cache.static_decoder.replays > 0
