@@ -89,6 +89,23 @@ def test_attention_output_is_the_same_with_rotation_on_and_off(llama):
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_rotation_multiplies_exactly_and_keeps_the_attention_scale():
+    """In bf16 the ±1 matrix and the 1/D on the way back are exact: the outputs stay within bf16 rounding."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    _, ids, mask = left_padded([12, 9])
+    logits = []
+    for rotation in (None, "hadamard"):
+        cache = Policy.from_preset("fullkv", rotation=rotation).make_cache(model)
+        logits.append(model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits.float())
+    torch.testing.assert_close(logits[1], logits[0], atol=0.05, rtol=0.05)
+    layer = cache.layers[0]
+    forward, back, gain = getattr(layer, "runtime", layer).rotation_matrices
+    assert forward.dtype == torch.bfloat16 and set(forward.abs().unique().tolist()) == {1.0} and gain == 16.0
+    torch.testing.assert_close(forward.float() @ back.float(), torch.eye(16).expand_as(forward), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("preset,overrides", [("nvfp4", {}), ("kivi2", {"residual": 8}),
                                               ("rkv", {"budget": 32, "trigger": {"buffer": 8}})])
 def test_static_decode_gives_the_eager_tokens_with_rotation(llama, preset, overrides):

@@ -28,11 +28,13 @@ class Rotation(ABC):
 
 def rotate(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
     """``x`` ``[B, Hx, L, D]`` times the matrix of its KV head (``Hx`` a multiple of the ``H``
-    matrices: query heads in groups, as GQA lays them out), in fp32, back in ``x``'s dtype."""
+    matrices: query heads in groups, as GQA lays them out). One batched product in ``x``'s
+    dtype (the matrices are cast to it once per call; fp32 accumulation): a decode step runs
+    four of these per layer, and casts around them would double its kernels."""
     H = matrices.shape[0]
     B, Hx, L, D = x.shape
-    grouped = x.reshape(B, H, (Hx // H) * L, D).float()
-    return torch.matmul(grouped, matrices).reshape(B, Hx, L, D).to(x.dtype)
+    grouped = x.reshape(B, H, (Hx // H) * L, D)
+    return torch.matmul(grouped, matrices.to(x.dtype)).reshape(B, Hx, L, D)
 
 
 def unrotate(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:

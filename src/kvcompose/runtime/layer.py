@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..paging import LayerStore
-from ..rotations import rotate, unrotate
+from ..rotations import rotate
 from .attention import dense_attention, paged_attention
 from .compression import compress, compress_in_place
 from .errors import CacheReuseError
@@ -45,10 +45,12 @@ class LayerRuntime:
         caller's 2D attention mask, which must be the columns seen so far plus the new ones.
         """
         self._check_continues(columns, key.shape[2])
-        self.scaling = scaling
         rotation = self._rotation(key)
         if rotation is not None:  # stored, scored and attended rotated; the output is turned back
-            query, key, value = rotate(query, rotation), rotate(key, rotation), rotate(value, rotation)
+            forward, back, gain = rotation
+            query, key, value = rotate(query, forward), rotate(key, forward), rotate(value, forward)
+            scaling = scaling / gain  # (q S)(k S)^T = gain q k^T
+        self.scaling = scaling
         plan = self.cache.step_plan
         if plan is None:
             positions = self._append_eager(query, key, value, real)
@@ -69,18 +71,22 @@ class LayerRuntime:
         else:
             self._after_eager_step(query, view, positions, scaling, evict=not in_place)
         if rotation is not None:
-            out = unrotate(out, rotation)
+            out = rotate(out, back)
         return out.transpose(1, 2).contiguous()
 
-    def _rotation(self, key: torch.Tensor) -> torch.Tensor | None:
-        """The policy's rotation matrices of this layer ``[H, D, D]`` on the keys' device, built at
-        the first step (a prefill, never inside a captured step); None without a rotation."""
+    def _rotation(self, key: torch.Tensor):
+        """``(forward, back, gain)`` of the policy's rotation for this layer, in the keys' dtype and
+        on their device, built at the first step (a prefill, never inside a captured step); None
+        without a rotation. A matrix whose entries are all ``±1/sqrt(D)`` (Hadamard) is applied
+        as its ``±1`` multiple ``S``, which any float dtype holds exactly: ``back = S^T / D`` and
+        ``gain = D`` (a power of two here) are exact too, and the attention scale takes the gain.
+        Other orthogonal matrices are applied as given (``gain = 1``)."""
         spec = self.cache.policy.rotation
         if spec is None:
             return None
         if self.rotation_matrices is None:
             m = spec.matrices(self.layer_idx, key.shape[1], key.shape[-1])
-            self.rotation_matrices = False if m is None else m.to(key.device)
+            self.rotation_matrices = False if m is None else _exact_form(m, key.dtype, key.device)
         return self.rotation_matrices if self.rotation_matrices is not False else None
 
     def _append_eager(self, query, key, value, real) -> torch.Tensor:
@@ -205,3 +211,13 @@ class LayerRuntime:
         window = self.queries.shape[2]
         order = (self.store.column + torch.arange(window, device=self.queries.device)) % window
         return self.queries.index_select(2, order), self.query_positions.index_select(1, order)
+
+
+def _exact_form(m: torch.Tensor, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(forward, back, gain)`` of orthogonal matrices ``m`` (see :meth:`LayerRuntime._rotation`)."""
+    D = m.shape[-1]
+    signs = m * D ** 0.5
+    if torch.allclose(signs.abs(), torch.ones_like(signs), atol=1e-4):
+        s = signs.sign()
+        return s.to(device=device, dtype=dtype), (s.transpose(-1, -2) / D).to(device=device, dtype=dtype), float(D)
+    return m.to(device=device, dtype=dtype), m.transpose(-1, -2).to(device=device, dtype=dtype), 1.0
