@@ -27,3 +27,11 @@ def test_thought_segments_labels_each_segment():
     labels = example.label_segments(_WordTokenizer(), ids, 3)
     assert [letter for letter, _ in labels][1] == "T"  # "Wait, maybe not." is a transition cue
     assert len(labels) == 4
+
+
+def test_rotated_lowbit_rotation_lowers_the_key_error_of_outlier_keys():
+    example = _load("rotated_lowbit")
+    keys = example.outlier_keys()
+    for spec in example.FORMATS.values():
+        assert example.key_error(spec, keys, "hadamard") < 0.6 * example.key_error(spec, keys, None)
+    assert example.key_error("nvfp4", keys, "none") == example.key_error("nvfp4", keys, None)
