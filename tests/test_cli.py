@@ -52,6 +52,9 @@ def test_bench_reports_the_floor_and_the_ratios_for_every_run(capsys, tmp_path, 
     data = json.loads(out_json.read_text())
     assert data["copy_tbps"] == 0.02 and "kv_bytes_read_per_step" in data["floor_method"]
     assert data["attention_kernels"] == "torch reference (no CUDA device)"  # which kernel ran is reported
+    env = data["environment"]  # where it ran, read by the command: versions, device, commit when in a checkout
+    assert env["gpu"] is None and set(env["versions"]) == {"torch", "triton", "transformers", "kvcompose"}
+    assert env["git_commit"] is None or (len(env["git_commit"]) == 40 and isinstance(env["git_dirty"], bool))
     rows = {r["preset"]: r for r in data["runs"]}
     assert list(rows) == ["transformers-static", "fullkv", "rkv"]
     for r in rows.values():

@@ -1,19 +1,17 @@
-"""The environment record stored with every run: taken by the script itself, never edited by hand."""
+"""The environment record stored with every run: taken by the script itself, never edited by hand.
+
+The record is :func:`kvcompose.environment.environment`'s, for the checkout these benchmarks
+belong to (``kvcompose bench --json`` stores the same record).
+"""
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import os
-import platform
-import subprocess
-from importlib import metadata
 from pathlib import Path
 
-import torch
+from kvcompose import environment as _env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("torch", "triton", "transformers", "kvcompose")
+PACKAGES = _env.PACKAGES
 
 
 def environment(**extra) -> dict:
@@ -21,61 +19,9 @@ def environment(**extra) -> dict:
     the tree had local changes (``git_commit`` is None outside a git checkout), and a digest of
     the sources that ran (:func:`source_digest`). ``extra`` fields
     (the allocator settings, ``TRITON_INTERPRET``) are added as given."""
-    cuda = torch.cuda.is_available()
-    commit = _git("rev-parse", "HEAD")
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name() if cuda else None,
-        "cuda": torch.version.cuda if cuda else None,
-        "versions": {p: _version(p) for p in PACKAGES},
-        "git_commit": commit,
-        "git_dirty": bool(_git("status", "--porcelain")) if commit else None,
-        "source_sha256": source_digest(),
-        **extra,
-    }
+    return _env.environment(REPO_ROOT, **extra)
 
 
 def source_digest(root: Path = REPO_ROOT) -> str:
-    """SHA-256 over the library's and the benchmarks' Python sources (path and bytes, in path
-    order). It names the code that ran even where the git metadata does not (a copied tree, a
-    dirty checkout): the same digest from a checkout of a commit means that commit's code."""
-    digest = hashlib.sha256()
-    files = sorted(p for folder in ("src", "benchmarks") for p in (root / folder).rglob("*.py"))
-    for path in files:
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        if package == "kvcompose":  # run from a source tree (PYTHONPATH=src) without installing
-            import kvcompose
-
-            return kvcompose.__version__
-        return None
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """:func:`kvcompose.environment.source_digest` of this checkout."""
+    return _env.source_digest(root)

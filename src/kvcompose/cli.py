@@ -195,6 +195,7 @@ def _cmd_bench(args) -> int:
     import torch
 
     from . import models, speed
+    from .environment import environment
     from .eval.overrides import at_budgets
 
     presets = _preset_list(args.presets)
@@ -258,7 +259,8 @@ def _cmd_bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"batch": None if capped else args.batch, "memory_gib": args.memory_gib, "prompt": args.prompt,
                        "new_tokens": args.new_tokens, "window": window, "copy_tbps": copy_tbps,
-                       "floor_method": speed.FLOOR_METHOD, "attention_kernels": kernels, "runs": rows}, f, indent=2)
+                       "floor_method": speed.FLOOR_METHOD, "attention_kernels": kernels,
+                       "environment": environment(), "runs": rows}, f, indent=2)
     return 0
 
 
