@@ -107,7 +107,9 @@ def test_bf16_rotation_multiplies_exactly_and_keeps_the_attention_scale():
 
 
 @pytest.mark.parametrize("preset,overrides", [("nvfp4", {}), ("kivi2", {"residual": 8}),
-                                              ("rkv", {"budget": 32, "trigger": {"buffer": 8}})])
+                                              ("rkv", {"budget": 32, "trigger": {"buffer": 8}}),
+                                              ("thinkv-int", {"budget": 48, "refresh": 16, "precision": {  # head dim 16
+                                                  c: {"name": "int", "bits": 4, "group_size": 16} for c in "RE"}})])
 def test_static_decode_gives_the_eager_tokens_with_rotation(llama, preset, overrides):
     policy = Policy.from_preset(preset, rotation="hadamard", **overrides)
     _, ids, mask = left_padded([20, 13, 31])

@@ -123,12 +123,21 @@ PRESETS: dict[str, tuple[str, dict]] = {
 }
 
 
-def _thinkv(description: str, quantize: bool, evict: bool) -> tuple[str, dict]:
-    """ThinKV and its ablations, with the embedded model's shipped sparsity calibration."""
+#: Formats per thought class: ThinKV's R4E4T2 in NVFP4 and ternary, and ``thinkv-int``'s, picked by
+#: ``benchmarks/tools/measure_format_grid.py`` (docs/thinkv.md says why): per-token INT4 in groups of
+#: 32 for R and E (with the Hadamard rotation, its keys disturb attention less than NVFP4's:
+#: 12.5% against 16.1% on the embedded model), ternary kept for T (rotated, 60% against INT2's 66%).
+THINKV_FORMATS = {"R": {"name": "nvfp4"}, "E": {"name": "nvfp4"}, "T": {"name": "ternary"}}
+THINKV_INT_FORMATS = {"R": {"name": "int", "bits": 4, "group_size": 32},
+                      "E": {"name": "int", "bits": 4, "group_size": 32}, "T": {"name": "ternary"}}
+
+
+def _thinkv(description: str, quantize: bool, evict: bool, formats: dict = THINKV_FORMATS,
+            rotation: str | None = None) -> tuple[str, dict]:
+    """ThinKV and its variants, with the embedded model's shipped sparsity calibration."""
     from ..classifiers.sparsity_kde import load_calibration
 
     calib = load_calibration(_data_path("calibration_smollm2.json"))
-    formats = {"R": {"name": "nvfp4"}, "E": {"name": "nvfp4"}, "T": {"name": "ternary"}}
     config = {
         "precision": formats if quantize else {"R": None, "E": None, "T": None},
         "classifier": {"name": "sparsity_kde", "thresholds": calib["thresholds"], "layers": calib["layers"],
@@ -137,6 +146,8 @@ def _thinkv(description: str, quantize: bool, evict: bool) -> tuple[str, dict]:
         "group_size": 16,
         "block_size": 16,
     }
+    if rotation is not None:
+        config["rotation"] = {"name": rotation}
     if evict:
         config.update(budget=1024, evictor={"name": "tbe", "retention": [64, 32, 16, 8, 4]},
                       trigger={"name": "segment_end"}, pager={"name": "ct"})
@@ -149,14 +160,18 @@ def _data_path(name: str) -> str:
     return str(files("kvcompose") / "data" / name)
 
 
-for _name, _desc, _q, _e in [
+for _name, _desc, _q, _e, _f, _r in [
     ("thinkv", "ThinKV: sparsity-classified thoughts, R4E4T2 quantization, segment step-downs, in-place CT pager.",
-     True, True),
-    ("thinkv-tbq", "ThinKV ablation: thought-based quantization only (R4E4T2), no eviction.", True, False),
-    ("thinkv-tbe", "ThinKV ablation: thought-based eviction only (full precision), CT pager.", False, True),
+     True, True, THINKV_FORMATS, None),
+    ("thinkv-tbq", "ThinKV ablation: thought-based quantization only (R4E4T2), no eviction.", True, False,
+     THINKV_FORMATS, None),
+    ("thinkv-tbe", "ThinKV ablation: thought-based eviction only (full precision), CT pager.", False, True,
+     THINKV_FORMATS, None),
+    ("thinkv-int", "ThinKV with measured formats: Hadamard-rotated keys and values, INT4 (groups of 32) for R and E "
+     "thoughts, ternary for T; its classifier, TBE and CT pager.", True, True, THINKV_INT_FORMATS, "hadamard"),
 ]:
     # Built on first use: the config reads the packaged calibration file.
-    PRESETS[_name] = (_desc, lambda n=_name, d=_desc, q=_q, e=_e: {"name": n, **_thinkv(d, q, e)[1]})
+    PRESETS[_name] = (_desc, lambda n=_name, d=_desc, q=_q, e=_e, f=_f, r=_r: {"name": n, **_thinkv(d, q, e, f, r)[1]})
 
 
 def register_preset(name: str, description: str, config: dict) -> None:
