@@ -38,7 +38,8 @@ BUDGET = 64
 OVERRIDES = {  # what makes each compressing preset evict within the long run
     "rpc": {"trigger": {"name": "interval", "period": 64, "ratio": 4, "recent": 32}},
     **{p: {} for p in ("fullkv", "kivi2", "kivi4", "nvfp4", "fp8", "thinkv-tbq")},  # no budget: they never evict
-}
+    "thinkv-int": {"budget": BUDGET, "precision": {c: {"name": "int", "bits": 4, "group_size": 16} for c in "RE"}},
+}  # thinkv-int: INT4 groups of 16, as the tiny model's head dim of 16 holds
 PROMPTS = [20, 13]
 
 
