@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from kvcompose import Policy, models, registry
-from kvcompose.rotations import rotate
+from kvcompose.rotations import rotate, unrotate
 
 
 def outlier_keys(tokens: int = 256, heads: int = 2, dim: int = 64, outliers: int = 4, seed: int = 0) -> torch.Tensor:
@@ -43,7 +43,7 @@ def key_error(fmt, keys: torch.Tensor, rotation: str | None) -> float:
     q = registry.build("quantizer", fmt)
     back = q.dequantize(q.quantize(x, role="key", backend="torch"), torch.float32, backend="torch")
     if matrices is not None:
-        back = rotate(back.transpose(0, 1)[None], matrices.transpose(-1, -2))[0].transpose(0, 1)
+        back = unrotate(back.transpose(0, 1)[None], matrices)[0].transpose(0, 1)
     return ((back - keys).norm() / keys.norm()).item()
 
 

@@ -65,6 +65,16 @@ def tiny_model(arch: str = "llama", kv_heads: int = 2, heads: int = 4, layers: i
     return model
 
 
+#: Small budgets and periods under which each evicting preset's trigger fires within a short run.
+SHORT_RUN_EVICTION = {
+    "streamingllm": {"budget": 32},
+    "h2o": {"budget": 32},
+    "snapkv": {"budget": 32, "trigger": {"buffer": 8}},
+    "rkv": {"budget": 32, "trigger": {"buffer": 8}},
+    "rpc": {"trigger": {"period": 16, "ratio": 4, "recent": 4}, "protect_recent": 4},
+}
+
+
 def left_padded(lengths, vocab: int = 96, seed: int = 1):
     """Random prompts of the given lengths, left padded into one batch (pad id 0)."""
     g = torch.Generator().manual_seed(seed)

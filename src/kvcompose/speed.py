@@ -116,9 +116,7 @@ def attention_kernels(device) -> str:
     from .ops.paged_attention.native import native_status
 
     status = native_status(device)
-    if status["kernel"] == "cuda":
-        return f"Triton; NVFP4 pools: CUDA ({status['reason']})"
-    return f"Triton; NVFP4 pools: Triton ({status['reason']})"
+    return f"Triton; NVFP4 pools: {'CUDA' if status['kernel'] == 'cuda' else 'Triton'} ({status['reason']})"
 
 
 def copy_tbps(device, nbytes: int | None = None) -> float:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import char_tokenizer, greedy, left_padded
+from conftest import SHORT_RUN_EVICTION, char_tokenizer, greedy, left_padded
 from sync_guard import HostSyncError, forced_step_kernels, no_host_sync
 from kvcompose import Policy
 from kvcompose.hf.static import fast_generate
@@ -12,11 +12,7 @@ from kvcompose.runtime.schedule import Schedule, static_capacity
 # Small budgets and periods so that every trigger fires within a short run.
 POLICIES = {
     "fullkv": {},
-    "streamingllm": {"budget": 32},
-    "h2o": {"budget": 32},
-    "snapkv": {"budget": 32, "trigger": {"buffer": 8}},
-    "rkv": {"budget": 32, "trigger": {"buffer": 8}},
-    "rpc": {"trigger": {"period": 16, "ratio": 4, "recent": 4}, "protect_recent": 4},
+    **SHORT_RUN_EVICTION,
     "fp8": {},
     "nvfp4": {},
     "kivi2": {"residual": 8},  # buffer of 40: groups of 32 leave it within the run

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import greedy, left_padded
+from conftest import SHORT_RUN_EVICTION, greedy, left_padded
 from kvcompose import Policy, registry
 from kvcompose.hf.static import fast_generate
 from kvcompose.rotations import rotate, unrotate
@@ -46,11 +46,7 @@ def test_rotated_queries_and_keys_keep_every_dot_product_and_values_come_back():
 # evictor and classifier keeps the same tokens and the model writes the same tokens.
 EXACT = {
     "fullkv": {},
-    "streamingllm": {"budget": 32},
-    "h2o": {"budget": 32},
-    "snapkv": {"budget": 32, "trigger": {"buffer": 8}},
-    "rkv": {"budget": 32, "trigger": {"buffer": 8}},
-    "rpc": {"trigger": {"period": 16, "ratio": 4, "recent": 4}, "protect_recent": 4},
+    **SHORT_RUN_EVICTION,
     "thinkv": {"budget": 48, "refresh": 16, "precision": {"R": None, "T": None, "E": None}},
 }
 
