@@ -74,6 +74,9 @@ class Report:
     # Block sharing (share pager): steps decided, blocks shared, share rate, filter time per step, and
     # memory_saving_ratio = bytes sharing saves / bytes in use without it (ReasonCache's memory saving ratio).
     sharing: dict = field(default_factory=dict)
+    # Tensor parallelism: the byte counts above are this rank's (its KV heads); this adds the rank,
+    # the number of ranks, and in_use / peak / allocated / full summed over every rank. Empty without.
+    ranks: dict = field(default_factory=dict)
 
     @classmethod
     def from_cache(cls, cache) -> "Report":
@@ -114,6 +117,8 @@ class Report:
             basis=dtype_name(basis),
             held_bytes={k: sum(m[k] for m in held) for k in ("in_use", "allocated", "full")},
             sharing=_sharing(cache, total("in_use"), total("saved_by_sharing")),
+            ranks=_ranks(cache.heads, {"in_use": total("in_use"), "peak": max(cache.peak_kv_bytes, total("in_use")),
+                                       "allocated": total("allocated"), "full": total("full")}),
         )
 
     @property
@@ -188,3 +193,13 @@ def _sharing(cache, in_use: int, saved: int) -> dict:
         return {}
     return {**cache.sharing.report(), "saved_bytes": saved,
             "memory_saving_ratio": saved / (in_use + saved) if in_use + saved else 0.0}
+
+
+def _ranks(heads, mine: dict[str, int]) -> dict:
+    """Under tensor parallelism, this rank's place and the byte counts summed over all ranks
+    (a collective: every rank builds its report at the same point)."""
+    if not heads.sharded:
+        return {}
+    summed = heads.all_sum_values(list(mine.values()))
+    return {"rank": heads.rank, "size": heads.size,
+            "all_ranks_bytes": {k: int(v) for k, v in zip(mine, summed)}}

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..distributed import LOCAL, HeadShards
 from ..registry import register
 from ..validation import check_choice, check_int
 from .base import EvictionContext, Evictor
@@ -76,7 +77,7 @@ class AttentionEvictor(Evictor):
         self.query_window = self.window
 
     def scores(self, ctx: EvictionContext) -> torch.Tensor:
-        return reduce_heads(self.head_importance(ctx), self.head_reduce)
+        return reduce_heads(self.head_importance(ctx), self.head_reduce, ctx.heads)
 
     def head_importance(self, ctx: EvictionContext) -> torch.Tensor:
         """Pooled importance per KV head, ``[B, Hkv, L]``; zero on empty slots."""
@@ -147,6 +148,7 @@ def pool_tokens(
     return torch.where(valid_h, out, torch.zeros_like(out))
 
 
-def reduce_heads(per_head: torch.Tensor, how: str) -> torch.Tensor:
-    """``[B, H, L]`` -> ``[B, L]``: one score per token, hence one keep set per (sequence, layer)."""
-    return per_head.mean(dim=1) if how == "mean" else per_head.amax(dim=1)
+def reduce_heads(per_head: torch.Tensor, how: str, heads: HeadShards = LOCAL) -> torch.Tensor:
+    """``[B, H, L]`` -> ``[B, L]``: one score per token, hence one keep set per (sequence, layer);
+    over the heads of every tensor-parallel rank, so that all ranks keep the same tokens."""
+    return heads.mean(per_head, dim=1) if how == "mean" else heads.amax(per_head, dim=1)

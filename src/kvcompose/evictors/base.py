@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..distributed import LOCAL, HeadShards
+
 
 @dataclass
 class EvictionContext:
@@ -37,6 +39,7 @@ class EvictionContext:
     segment: int = 0  # tokens per thought segment (the policy's refresh period), 0 if unused
     columns_limit: int | None = None  # static decode: columns the whole run appends (sizes per-segment tensors)
     check: bool = True  # test scores for NaN/inf (a host synchronization; static decode skips it)
+    heads: HeadShards = LOCAL  # the ranks holding the layer's other KV heads: reduce over heads with it
 
 
 def keep_top(scores: torch.Tensor, ctx: EvictionContext, check: bool | None = None) -> torch.Tensor:

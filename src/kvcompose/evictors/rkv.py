@@ -64,7 +64,7 @@ class RKVEvictor(AttentionEvictor):
 
     def scores(self, ctx: EvictionContext) -> torch.Tensor:
         combined = self.lam * self.head_importance(ctx) - (1.0 - self.lam) * self.head_redundancy(ctx)
-        return reduce_heads(combined, self.head_reduce)  # both parts are zero on empty slots
+        return reduce_heads(combined, self.head_reduce, ctx.heads)  # both parts are zero on empty slots
 
     def head_redundancy(self, ctx: EvictionContext) -> torch.Tensor:
         """Redundancy per KV head, ``[B, Hkv, L]``: a softmax over each row's live tokens, zero elsewhere."""

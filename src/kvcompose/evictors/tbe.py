@@ -152,7 +152,7 @@ class ThoughtEvictor(Evictor):
         rows = torch.arange(B, device=size.device).repeat_interleave(S)
         chosen = kmeans_select(ctx.keys, live.view(B * S, tau), torch.where(shrinks, target, 0).view(-1),
                                iters=self.kmeans_iters, max_k=max(self.retention), validate=False,
-                               slots=(rows, cols.view(B * S, tau))).view(B, S, tau)
+                               slots=(rows, cols.view(B * S, tau)), heads=ctx.heads).view(B, S, tau)
         drop = live & ~chosen & shrinks[..., None]
         dropped = torch.zeros(B, L, dtype=torch.int32, device=size.device).scatter_add_(
             1, cols.view(B, -1), drop.view(B, -1).to(torch.int32))

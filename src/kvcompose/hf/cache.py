@@ -16,6 +16,7 @@ import copy
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..distributed import LOCAL, HeadShards, check_policy, head_shards_of
 from ..policies import Policy
 from ..runtime import CacheRuntime, LayerRuntime
 from .attention import ATTENTION_NAME, LAYER_ATTR, UnsupportedModelError
@@ -104,11 +105,12 @@ class KVComposeCache(CacheRuntime, Cache):
         if policy.needs_text and tokenizer is None:
             raise ValueError(f"Policy {policy.name!r}: {policy.needs_text} reads the generated text; pass "
                              "tokenizer= to make_cache (policy.generate passes its own)")
-        return cls(policy, num_layers, fused_attention=fused_attention, memory_basis=memory_basis, tokenizer=tokenizer)
+        return cls(policy, num_layers, fused_attention=fused_attention, memory_basis=memory_basis, tokenizer=tokenizer,
+                   heads=check_policy(policy, head_shards_of(model)))
 
     def __init__(self, policy: "Policy", num_layers: int, fused_attention: bool = True,
-                 memory_basis: "torch.dtype | str | None" = torch.bfloat16, tokenizer=None):
-        CacheRuntime.__init__(self, policy, fused_attention, memory_basis, tokenizer)
+                 memory_basis: "torch.dtype | str | None" = torch.bfloat16, tokenizer=None, heads: HeadShards = LOCAL):
+        CacheRuntime.__init__(self, policy, fused_attention, memory_basis, tokenizer, heads)
         Cache.__init__(self, layers=[KVComposeLayer(self, i) for i in range(num_layers)])
         self.start()
 

@@ -54,6 +54,8 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed import LOCAL, HeadShards
+
 try:  # Triton ships for Linux only; the torch reference works everywhere.
     import triton
     import triton.language as tl
@@ -82,6 +84,7 @@ def kmeans_select(
     max_k: int | None = None,
     validate: bool = True,
     slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    heads: HeadShards = LOCAL,
 ) -> torch.Tensor:
     """Keep mask ``[S, N]`` choosing ``min(k[s], live[s])`` representative tokens per segment.
 
@@ -104,6 +107,9 @@ def kmeans_select(
             ``keys[rows[s], :, cols[s, i]]``, so segments scattered over a layer's slots need
             no gathered copy (an evictor's segments of a whole batch would be one the size
             of the layer). A segment with ``k = 0`` costs the kernel almost nothing.
+        heads: the tensor-parallel ranks that hold the other KV heads of these keys; when
+            there are several, the Gram matrix is summed over them (one all-reduce, torch
+            path), so every rank clusters on the keys of all heads and keeps the same tokens.
 
     Returns:
         ``[S, N]`` bool keep mask on ``keys.device``.
@@ -111,8 +117,8 @@ def kmeans_select(
     (k_eff, given), bound = _prepare(keys, valid, k, iters, max_k, slots)
     if validate:
         _check_values(_gathered(keys, slots), valid, given, max_k)
-    if not _use_triton(valid, backend):
-        return _reference(_gathered(keys, slots), valid, k_eff, iters, bound)[0]
+    if heads.sharded or not _use_triton(valid, backend):
+        return _reference(_gathered(keys, slots), valid, k_eff, iters, bound, heads)[0]
     return _kmeans_triton(keys, valid, k_eff, iters, bound, slots)
 
 
@@ -248,7 +254,7 @@ def _pow2(n: int, floor: int = 16) -> int:
 # Torch reference
 
 
-def _reference(keys, valid, k_eff, iters, bound):
+def _reference(keys, valid, k_eff, iters, bound, heads: HeadShards = LOCAL):
     """Returns (keep [S, N], seeds [S, bound], weights [S, N, bound], final distances [S, N, bound])."""
     s, n, f = keys.shape
     dev = keys.device
@@ -260,7 +266,7 @@ def _reference(keys, valid, k_eff, iters, bound):
     active_c = cols[None, :] < k_eff[:, None]  # [S, bound]
 
     # 1. farthest-first seeds from the Gram matrix
-    gram = x @ x.transpose(1, 2)
+    gram = heads.all_sum(x @ x.transpose(1, 2))  # the keys of every rank's heads
     sq = gram.diagonal(dim1=1, dim2=2)
     far = torch.where(live, torch.full_like(sq, float("inf")), torch.full_like(sq, float("-inf")))
     seeds = torch.zeros(s, bound, dtype=torch.long, device=dev)

@@ -47,6 +47,8 @@ import math
 
 import torch
 
+from ..distributed import LOCAL, HeadShards
+
 try:  # Triton ships for Linux only; the torch reference works everywhere.
     import triton
     import triton.language as tl
@@ -77,6 +79,7 @@ def attention_sparsity(
     backend: str | None = None,
     combine: str = "scores",
     validate: bool = True,
+    heads: HeadShards = LOCAL,
 ) -> torch.Tensor:
     """Fraction of live key slots a decode query (nearly) ignores, per sequence.
 
@@ -95,6 +98,8 @@ def attention_sparsity(
         combine: ``"scores"`` or ``"sparsity"``, how KV groups are combined (module doc).
         validate: check for NaN/inf in ``query`` and in the live slots of ``keys``; this
             costs one device-to-host sync. Hot paths that trust their inputs pass False.
+        heads: the tensor-parallel ranks that hold the layer's other KV heads; when there are
+            several, KV groups combine over all of them (the torch path, with one all-reduce).
 
     Returns:
         ``[B]`` float32 sparsity in ``[0, 1]`` on the inputs' device.
@@ -102,8 +107,8 @@ def attention_sparsity(
     b, hq, hkv, length, d = _check_inputs(query, keys, valid, scaling, group_size, threshold, combine)
     if validate:
         _check_finite(query, keys, valid)
-    if not _use_triton(keys, backend):
-        return attention_sparsity_reference(query, keys, valid, scaling, hq // hkv, threshold, combine)
+    if heads.sharded or not _use_triton(keys, backend):
+        return attention_sparsity_reference(query, keys, valid, scaling, hq // hkv, threshold, combine, heads)
     return _sparsity_triton(query, keys, valid, float(scaling), hq // hkv, float(threshold), combine)
 
 
@@ -115,6 +120,7 @@ def attention_sparsity_reference(
     group_size: int | None = None,
     threshold: float = 0.01,
     combine: str = "scores",
+    heads: HeadShards = LOCAL,
 ) -> torch.Tensor:
     """Plain-torch version of :func:`attention_sparsity`, written step by step as in the paper.
 
@@ -134,11 +140,11 @@ def attention_sparsity_reference(
     total = pooled.sum(dim=-1, keepdim=True)
     rows = pooled / torch.where(total > 0, total, torch.ones_like(total))  # Eq. 4
     if combine == "scores":
-        rows = rows.mean(dim=1, keepdim=True)  # [B, 1, L]
+        rows = heads.mean(rows, dim=1).unsqueeze(1)  # [B, 1, L]
     below = (rows < threshold * rows.amax(dim=-1, keepdim=True)) & live[:, None, :]
     n_live = live.sum(dim=-1, keepdim=True).to(torch.float32)
     frac = below.sum(dim=-1).to(torch.float32) / n_live.clamp(min=1.0)
-    return frac.mean(dim=1)
+    return frac[:, 0] if combine == "scores" else heads.mean(frac, dim=1)
 
 
 # ---------------------------------------------------------------------------

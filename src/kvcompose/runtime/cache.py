@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed import LOCAL, HeadShards
 from ..paging import StoreView
 from ..report import Report, memory_dtype
 from .counters import StepCounters
@@ -24,8 +25,11 @@ class CacheRuntime:
     """Shared per-generation state of a cache's layers (``self.layers``, set by the integration)."""
 
     def __init__(self, policy, fused_attention: bool = True,
-                 memory_basis: "torch.dtype | str | None" = torch.bfloat16, tokenizer=None):
+                 memory_basis: "torch.dtype | str | None" = torch.bfloat16, tokenizer=None, heads: HeadShards = LOCAL):
         self.policy = policy
+        # The tensor-parallel ranks holding this layer's other KV heads: decisions that combine
+        # heads reduce over them (kvcompose.distributed).
+        self.heads = heads
         self.tokenizer = tokenizer  # decodes the token stream for components that read text
         # The dtype of the full cache that memory figures compare with (None: the model's own);
         # see kvcompose.report.
@@ -43,7 +47,7 @@ class CacheRuntime:
         self.timer = PhaseTimer()  # seconds per phase, when timing is on (time_phases)
         self.counters = StepCounters()
         self.tokens = TokenStream(self.tokenizer)  # ids fed through observe_tokens
-        self.thoughts = ThoughtTracker(self.policy, len(self.layers), self.timer, self.tokens)
+        self.thoughts = ThoughtTracker(self.policy, len(self.layers), self.timer, self.tokens, self.heads)
         self.sharing = SharingTracker(self) if self.policy.filter is not None else None
         # Static decode sets this to the current step's StepPlan (kvcompose.runtime.schedule).
         self.step_plan = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed import LOCAL, HeadShards
 from ..evictors import EvictionContext
 from ..evictors.base import keep_top
 from ..paging import LayerStore, StoreView
@@ -37,7 +38,7 @@ def compress(layer, view: StoreView | None = None, scheduled: bool = False) -> b
     elif not bool(fired.any()):
         return False
     view = view if view is not None else store.view()
-    ctx = eviction_context(policy, store, view, keep, *layer.recent_queries(), layer.scaling)
+    ctx = eviction_context(policy, store, view, keep, *layer.recent_queries(), layer.scaling, layer.cache.heads)
     policy.pager.compact(store, view, policy.evictor.select(ctx))
     if scheduled:
         layer.cache.counters.note_eviction_on_device(fired.any())
@@ -102,7 +103,7 @@ def _counts(policy, store: LayerStore, valid: torch.Tensor, is_prompt: torch.Ten
 
 def eviction_context(policy, store: LayerStore, view: StoreView, keep: torch.Tensor,
                      queries: torch.Tensor | None = None, query_positions: torch.Tensor | None = None,
-                     scaling: float = 1.0) -> EvictionContext:
+                     scaling: float = 1.0, heads: HeadShards = LOCAL) -> EvictionContext:
     """Everything the evictor sees for one layer: keys, positions, protection, queries, slot channels."""
     is_prompt = view.valid & (view.positions < store.prompt_columns)
     return EvictionContext(
@@ -122,6 +123,7 @@ def eviction_context(policy, store: LayerStore, view: StoreView, keep: torch.Ten
         segment=policy.refresh,
         columns_limit=store.columns_limit if store.static else None,
         check=not store.static,
+        heads=heads,
     )
 
 

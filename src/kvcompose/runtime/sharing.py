@@ -195,8 +195,10 @@ class SharingTracker:
             na = self._block_norms(layer, a, a_ids, ka, va)
             nc = self._block_norms(layer, c, c_ids, kc, vc)
             dot = torch.stack([(ka * kc).sum(-1), (va * vc).sum(-1)], -1)
-            dist = (na + nc - 2 * dot).clamp(min=0).sqrt().sum(-1) / (2 * store.regions[0].pool.block_size
-                                                                       * store.num_kv_heads)
+            heads = self.cache.heads  # squared distances add up over the heads of every rank
+            squared = heads.all_sum((na + nc - 2 * dot).contiguous())
+            dist = squared.clamp(min=0).sqrt().sum(-1) / (2 * store.regions[0].pool.block_size
+                                                          * heads.total(store.num_kv_heads))
             total = dist if total is None else total + dist
         values = (total / len(stores)).tolist()
         out: dict[int, list[float]] = {b: [] for b in wanted}

@@ -16,6 +16,7 @@ import torch
 
 from ..classifiers.base import ClassifierInput
 from ..device_constants import device_constant
+from ..distributed import LOCAL, HeadShards
 from ..ops.sparsity import attention_sparsity
 from .timing import PhaseTimer
 
@@ -23,8 +24,10 @@ from .timing import PhaseTimer
 class ThoughtTracker:
     """Current thought class per sequence, its refresh, and the thought mix for the report."""
 
-    def __init__(self, policy, num_layers: int, timer: PhaseTimer | None = None, tokens=None):
+    def __init__(self, policy, num_layers: int, timer: PhaseTimer | None = None, tokens=None,
+                 heads: HeadShards = LOCAL):
         self.policy = policy
+        self.heads = heads  # sparsity spans the KV heads of every tensor-parallel rank
         self.num_layers = num_layers
         classes = policy.classes
         self.default = classes.index("R") if "R" in classes else 0
@@ -77,7 +80,7 @@ class ThoughtTracker:
         with self.timer.phase("refresh"):
             if classifier.needs == "sparsity" and layer_idx in classifier.layers:
                 self.sparsity[:, layer_idx] = attention_sparsity(
-                    query[:, :, -1], view.keys, view.valid, scaling, validate=False
+                    query[:, :, -1], view.keys, view.valid, scaling, validate=False, heads=self.heads
                 )
             if layer_idx == self.num_layers - 1:
                 texts = None
