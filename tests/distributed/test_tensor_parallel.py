@@ -1,0 +1,110 @@
+"""Tensor parallelism on CPU: two gloo ranks against one process, on a tiny fp32 Llama.
+
+Each rank holds one of the two KV heads of every layer. Decisions that combine heads
+(R-KV's and SnapKV's scores, ThinKV's sparsity classes and K-means, ReasonCache's block
+distances) must come out the same on both ranks and as in one process, so the tokens
+and the positions every layer keeps are compared exactly.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from kvcompose import Policy
+from kvcompose.distributed import LOCAL, HeadShards, check_policy
+from kvcompose.hf import load_tensor_parallel
+
+PRESETS = ["fullkv", "rkv", "snapkv", "nvfp4", "kivi2", "thinkv", "reasoncache"]
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(args: list[str], out: Path) -> None:
+    # Both sides use the torch references of the kernels (no interpreted Triton), so that only
+    # the sharding differs between them.
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model("llama", kv_heads=2, heads=4).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(checkpoint, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("tp_results")
+    _run([sys.executable, str(WORKER), str(checkpoint), str(out), *PRESETS], out)
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+          str(WORKER), str(checkpoint), str(out), *PRESETS], out)
+    return {tag: json.loads((out / f"{tag}.json").read_text()) for tag in ("single", "rank0", "rank1")}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_two_ranks_give_the_tokens_and_keep_the_positions_of_one_process(results, preset):
+    single, rank0, rank1 = (results[t][preset] for t in ("single", "rank0", "rank1"))
+    assert rank0["tokens"] == single["tokens"]
+    assert rank1["tokens"] == single["tokens"]
+    assert rank0["kept"] == rank1["kept"] == single["kept"]
+    if "generate" in single:  # policy.generate (model.generate, the eager path)
+        assert rank0["generate"] == rank1["generate"] == single["generate"]
+    if "tables" in single:  # ReasonCache: the same blocks shared with the same earlier blocks
+        assert rank0["tables"] == rank1["tables"] == single["tables"]
+        assert rank0["sharing"]["shared_blocks"] == single["sharing"]["shared_blocks"] > 0
+
+
+def test_the_run_evicts_so_that_agreement_means_something(results):
+    single = results["single"]
+    held = {name: sum(len(row) for layer in single[name]["kept"] for row in layer) for name in ("rkv", "snapkv", "thinkv")}
+    full = sum(len(row) for layer in single["fullkv"]["kept"] for row in layer)
+    assert all(n < full for n in held.values()), (held, full)
+
+
+def test_reports_give_each_ranks_bytes_and_the_sum_over_ranks(results):
+    for preset in PRESETS:
+        mine = [results[t][preset] for t in ("rank0", "rank1")]
+        assert [r["ranks"]["rank"] for r in mine] == [0, 1]
+        assert all(r["ranks"]["size"] == 2 for r in mine)
+        total = sum(r["kv_bytes"] for r in mine)
+        assert mine[0]["ranks"]["all_ranks_bytes"]["in_use"] == mine[1]["ranks"]["all_ranks_bytes"]["in_use"] == total
+        assert results["single"][preset]["ranks"] == {}
+
+
+def test_local_reductions_are_the_plain_ones():
+    x = torch.randn(3, 4, 5)
+    assert torch.equal(LOCAL.mean(x, 1), x.sum(1) / 4)
+    assert torch.equal(LOCAL.amax(x, 1), x.amax(1))
+    assert LOCAL.total(3) == 3 and not LOCAL.sharded
+
+
+def test_an_evictor_that_accumulates_attention_is_refused_under_tensor_parallelism():
+    two = HeadShards()
+    two.size = 2  # what a two-rank group reports; check_policy only reads the size
+    with pytest.raises(ValueError, match="h2o.*accumulates attention per slot.*2 tensor-parallel ranks"):
+        check_policy(Policy.from_preset("h2o"), two)
+    assert check_policy(Policy.from_preset("rkv"), two) is two
+    assert check_policy(Policy.from_preset("h2o"), LOCAL) is LOCAL
+
+
+def test_loading_tensor_parallel_needs_torchrun_and_heads_that_divide(checkpoint, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="torchrun"):
+        load_tensor_parallel(str(checkpoint))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="4 attention heads and 2 KV heads cannot be split over 3 ranks"):
+        load_tensor_parallel(str(checkpoint))
