@@ -133,14 +133,19 @@ def copy_tbps(device, nbytes: int | None = None) -> float:
 def weight_bytes_per_step(model, batch: int) -> int:
     """Bytes of the parameters one decode step of ``batch`` rows reads: every parameter in full
     (a tied LM head counts once), except an input embedding table that is not the LM head's,
-    of which the step reads only ``batch`` rows."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    of which the step reads only ``batch`` rows. Under tensor parallelism, the rank's own shards."""
+    total = sum(_held(p).numel() * p.element_size() for p in model.parameters())
     table = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     if head is not None and head.weight is table:
         return total
-    row = table.shape[1] * table.element_size()
-    return total - table.numel() * table.element_size() + batch * row
+    held = _held(table)
+    return total - held.numel() * held.element_size() + batch * held.shape[1] * held.element_size()
+
+
+def _held(param: torch.Tensor) -> torch.Tensor:
+    """What this process holds of a parameter: a tensor-parallel (DTensor) parameter's local shard."""
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def add_floor(row: dict, tbps: float) -> dict:
@@ -222,14 +227,15 @@ def warm_up_policy(policy: Policy, budget: int = 64) -> Policy:
 
 
 def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, new: int,
-                reserve_new_tokens: int | None = None, warm_up: bool = True) -> dict:
+                reserve_new_tokens: int | None = None, warm_up: bool = True, inspect=None) -> dict:
     """kvcompose's static-shape decode under ``policy``, timed over ``new`` tokens, with its
     eager steps (evictions, refreshes) and their share of decode time (CUDA).
 
     ``kv_bytes_read_per_step``: the mean of the cache's live bytes (its report's bytes in use
     as held: payload, scales, metadata, recent buffer) right after the prefill
     (``kv_live_bytes_after_prefill``, from a prefill-only run of the same prompts) and at the end
-    of the timed run (``kv_live_bytes_at_end``)."""
+    of the timed run (``kv_live_bytes_at_end``). ``inspect``: called with the timed run's cache at
+    the end; the fields it returns are added to the record."""
     if policy.needs_text:
         raise ValueError(f"policy {policy.name!r}: its {policy.needs_text} reads the generated text, so it decodes "
                          "eagerly; the speed benchmark times the static-shape path only")
@@ -267,6 +273,8 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
                eviction_call_rate=evicting / max(new - 1, 1), fused=summary.get("fused"))
     if summary.get("ms_by_kind"):
         out.update(decode_time_split(summary))
+    if inspect is not None:
+        out.update(inspect(cache))
     return out
 
 
