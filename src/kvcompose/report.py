@@ -170,6 +170,12 @@ class Report:
             lines.append(f"sharing        {sh['shared_blocks']} of {sh['shareable_blocks']} sealed step blocks shared "
                          f"({sh['steps']} steps); saves {100 * sh['memory_saving_ratio']:.1f}% of memory; filter "
                          f"{sh['filter_ms_per_step']:.2f} ms per step (budget {sh['budget_ms_per_step']} ms)")
+        if self.ranks:
+            every = self.ranks["all_ranks_bytes"]
+            lines.insert(1, f"this rank      {self.ranks['rank']} of {self.ranks['size']} tensor-parallel ranks; "
+                            "the bytes below are its KV heads'")
+            lines.append(f"all ranks      in use {mib(every['in_use'])}, peak {mib(every['peak'])}, "
+                         f"allocated {mib(every['allocated'])}, full {mib(every['full'])}")
         if self.time_s:
             lines.append("time           " + ", ".join(f"{k} {v:.3f}s" for k, v in self.time_s.items()))
         return "\n".join(lines)

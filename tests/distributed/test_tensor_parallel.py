@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import char_tokenizer, tiny_model
 from kvcompose import Policy
 from kvcompose.distributed import LOCAL, HeadShards, check_policy
 from kvcompose.hf import load_tensor_parallel
 
 PRESETS = ["fullkv", "rkv", "snapkv", "nvfp4", "kivi2", "thinkv", "reasoncache"]
 WORKER = Path(__file__).with_name("tp_worker.py")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
 
 
 def _free_port() -> int:
@@ -31,27 +32,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(args: list[str], out: Path) -> None:
+def _run(args: list[str]) -> str:
     # Both sides use the torch references of the kernels (no interpreted Triton), so that only
     # the sharding differs between them.
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _torchrun(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+            "--master-port", str(_free_port())]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_llama")
     tiny_model("llama", kv_heads=2, heads=4).save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="module")
 def results(checkpoint, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp_results")
-    _run([sys.executable, str(WORKER), str(checkpoint), str(out), *PRESETS], out)
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-          str(WORKER), str(checkpoint), str(out), *PRESETS], out)
+    _run([sys.executable, str(WORKER), str(checkpoint), str(out), *PRESETS])
+    _run([*_torchrun(2), str(WORKER), str(checkpoint), str(out), *PRESETS])
     return {tag: json.loads((out / f"{tag}.json").read_text()) for tag in ("single", "rank0", "rank1")}
 
 
@@ -108,3 +115,10 @@ def test_loading_tensor_parallel_needs_torchrun_and_heads_that_divide(checkpoint
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="4 attention heads and 2 KV heads cannot be split over 3 ranks"):
         load_tensor_parallel(str(checkpoint))
+
+
+def test_the_example_generates_on_two_ranks_and_reports_every_ranks_bytes(checkpoint):
+    out = _run([*_torchrun(2), str(EXAMPLE), "--model", str(checkpoint), "--preset", "rkv", "--max-new-tokens", "8",
+                "a short prompt"])
+    assert "--- a short prompt" in out
+    assert "this rank      0 of 2 tensor-parallel ranks" in out and "all ranks      in use" in out
