@@ -21,6 +21,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from harness.results import latest_run, read_runs  # noqa: E402
+from harness.table import NONE, markdown_table as _table, run_gpu as _run_gpu  # noqa: E402
+from harness.tp_section import tensor_parallel  # noqa: E402
 
 RESULTS = ROOT / "results"
 OUT = ROOT.parent / "docs" / "benchmark-results.md"
@@ -37,12 +39,6 @@ def _env(data: dict) -> str:
     versions = env.get("versions") or {k: env.get(k) for k in ("torch", "triton")}
     vers = ", ".join(f"{k} {v}" for k, v in versions.items() if v)
     return f"{env.get('gpu') or env.get('cpu') or 'CPU'} · {vers} · {env.get('date', '')}"
-
-
-def _table(headers: list[str], rows: list[list]) -> list[str]:
-    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return out
 
 
 def quant(lines: list[str]) -> None:
@@ -90,7 +86,6 @@ E2E_SCENARIOS = {
     "c": dict(batch=None, prompt=512, new=8192, budget=1024),
 }
 GROWING = "fullkv, fp8, nvfp4, kivi2, thinkv-tbq and rpc"  # presets whose cache grows with every token
-NONE = "—"  # a field the record does not have (older runs did not record it)
 
 
 def _scenario_method(name: str, shape: dict, records: list[dict]) -> str:
@@ -205,12 +200,6 @@ def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None
         lines += _table(E2E_COLUMNS, [_e2e_row(r, env) for r, env in records]) + [""]
     figures[SVG] = _throughput_svg([r for r, _ in shown if "tok_per_s" in r])
     lines += ["![Throughput against batch](results/e2e_throughput.svg)", ""]
-
-
-def _run_gpu(env) -> str:
-    """The GPU a run recorded ("not recorded" where its environment holds only a date, or nothing)."""
-    gpu = env.get("gpu") if isinstance(env, dict) else None
-    return gpu.replace("NVIDIA ", "") if gpu else "not recorded"
 
 
 def _throughput_svg(records: list[dict]) -> str:
@@ -437,7 +426,8 @@ def render() -> dict[Path, str]:
              ""]
     figures: dict[Path, str] = {}
     e2e(lines, figures)
-    for section in (attention, decode_profile, quant, eviction, redundancy, thinkv, thinkv_ops, sharing):
+    for section in (tensor_parallel, attention, decode_profile, quant, eviction, redundancy, thinkv, thinkv_ops,
+                    sharing):
         section(lines)
     return {OUT: "\n".join(lines), **figures}
 
