@@ -103,15 +103,3 @@ def head_shards_of(model) -> HeadShards:
         raise ValueError(f"the model's tensor-parallel size is {size} but its mesh group has {shards.size} ranks")
     return shards
 
-
-def check_policy(policy, heads: HeadShards) -> HeadShards:
-    """``heads``, once the policy is known to keep its ranks in step under tensor parallelism.
-
-    Refused: evictors that accumulate attention into a per-slot channel inside the attention
-    kernel (``h2o``): that running sum is not yet reduced over ranks."""
-    evictor = getattr(policy, "evictor", None)
-    if heads.sharded and evictor is not None and getattr(evictor, "mass_channel", None) is not None:
-        raise ValueError(f"policy {policy.name!r}: evictor {evictor.name!r} accumulates attention per slot, which is "
-                         f"not reduced over the {heads.size} tensor-parallel ranks; under tensor parallelism use an "
-                         "evictor that scores at eviction time (rkv, snapkv, rpc, window, tbe)")
-    return heads

@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU: two gloo ranks against one process, on a tiny fp32 Llama.
 
 Each rank holds one of the two KV heads of every layer. Decisions that combine heads
-(R-KV's and SnapKV's scores, ThinKV's sparsity classes and K-means, ReasonCache's block
-distances) must come out the same on both ranks and as in one process, so the tokens
+(R-KV's and SnapKV's scores, H2O's accumulated attention, ThinKV's sparsity classes and
+K-means, ReasonCache's block distances) must come out the same on both ranks and as in one process, so the tokens
 and the positions every layer keeps are compared exactly.
 """
 
@@ -18,10 +18,10 @@ import torch
 
 from conftest import char_tokenizer, tiny_model
 from kvcompose import Policy
-from kvcompose.distributed import LOCAL, HeadShards, check_policy
+from kvcompose.distributed import LOCAL
 from kvcompose.hf import load_tensor_parallel
 
-PRESETS = ["fullkv", "rkv", "snapkv", "nvfp4", "kivi2", "thinkv", "reasoncache"]
+PRESETS = ["fullkv", "rkv", "snapkv", "nvfp4", "kivi2", "thinkv", "reasoncache", "h2o"]
 WORKER = Path(__file__).with_name("tp_worker.py")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
 
@@ -70,6 +70,10 @@ def test_two_ranks_give_the_tokens_and_keep_the_positions_of_one_process(results
     assert rank0["kept"] == rank1["kept"] == single["kept"]
     if "generate" in single:  # policy.generate (model.generate, the eager path)
         assert rank0["generate"] == rank1["generate"] == single["generate"]
+    for rank in (rank0, rank1):  # H2O: the attention each kept token received, over every rank's heads
+        got, want = (torch.tensor([v for layer in r.get("channel", []) for row in layer for v in row])
+                     for r in (rank, single))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     if "tables" in single:  # ReasonCache: the same blocks shared with the same earlier blocks
         assert rank0["tables"] == rank1["tables"] == single["tables"]
         assert rank0["sharing"]["shared_blocks"] == single["sharing"]["shared_blocks"] > 0
@@ -77,7 +81,8 @@ def test_two_ranks_give_the_tokens_and_keep_the_positions_of_one_process(results
 
 def test_the_run_evicts_so_that_agreement_means_something(results):
     single = results["single"]
-    held = {name: sum(len(row) for layer in single[name]["kept"] for row in layer) for name in ("rkv", "snapkv", "thinkv")}
+    held = {name: sum(len(row) for layer in single[name]["kept"] for row in layer)
+            for name in ("rkv", "snapkv", "thinkv", "h2o")}
     full = sum(len(row) for layer in single["fullkv"]["kept"] for row in layer)
     assert all(n < full for n in held.values()), (held, full)
 
@@ -97,15 +102,6 @@ def test_local_reductions_are_the_plain_ones():
     assert torch.equal(LOCAL.mean(x, 1), x.sum(1) / 4)
     assert torch.equal(LOCAL.amax(x, 1), x.amax(1))
     assert LOCAL.total(3) == 3 and not LOCAL.sharded
-
-
-def test_an_evictor_that_accumulates_attention_is_refused_under_tensor_parallelism():
-    two = HeadShards()
-    two.size = 2  # what a two-rank group reports; check_policy only reads the size
-    with pytest.raises(ValueError, match="h2o.*accumulates attention per slot.*2 tensor-parallel ranks"):
-        check_policy(Policy.from_preset("h2o"), two)
-    assert check_policy(Policy.from_preset("rkv"), two) is two
-    assert check_policy(Policy.from_preset("h2o"), LOCAL) is LOCAL
 
 
 def test_loading_tensor_parallel_needs_torchrun_and_heads_that_divide(checkpoint, monkeypatch):

@@ -25,6 +25,7 @@ OVERRIDES = {
     "rkv": {"budget": 32, "trigger": {"buffer": 8}},
     "snapkv": {"budget": 32, "trigger": {"buffer": 8}},
     "thinkv": {"budget": 48, "refresh": 16},
+    "h2o": {"budget": 32},
     "reasoncache": {"block_size": 4, "group_size": 4, "filter": {"warmup": 2}},
 }
 NEW_TOKENS = 40
@@ -59,6 +60,21 @@ def kept_positions(cache) -> list[list[list[int]]]:
     return out
 
 
+def slot_channels(cache) -> list[list[list[float]]]:
+    """Per layer and row, the evictor's slot channel (H2O's accumulated attention) of the kept
+    tokens in position order; empty for evictors without one."""
+    channels = tuple(getattr(cache.policy.evictor, "slot_channels", ()))
+    if not channels:
+        return []
+    out = []
+    for layer in cache.layers:
+        positions, valid, state = layer.store.slot_state(channels[:1])
+        order = torch.where(valid, positions, torch.iinfo(positions.dtype).max).argsort(dim=1)
+        values = state[channels[0]].gather(1, order)
+        out.append([values[b][: int(valid[b].sum())].tolist() for b in range(valid.shape[0])])
+    return out
+
+
 def byte_counts(cache) -> dict:
     report = cache.report()
     return {"kv_bytes": report.kv_bytes, "allocated_bytes": report.allocated_bytes, "ranks": report.ranks,
@@ -73,7 +89,7 @@ def run_generation(model, name: str) -> dict:
         tokens = fast_generate(model, cache, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
     eager = policy.generate(model, char_tokenizer(), TEXTS, max_new_tokens=NEW_TOKENS, fast=False)
     return {"tokens": tokens[:, ids.shape[1]:].tolist(), "generate": eager.sequences,
-            "kept": kept_positions(cache), **byte_counts(cache)}
+            "kept": kept_positions(cache), "channel": slot_channels(cache), **byte_counts(cache)}
 
 
 def run_script(model, name: str) -> dict:

@@ -123,6 +123,8 @@ class Evictor:
         count as attention received. ``valid`` is ``[B, L]``. Returns
         ``{channel: [B, L] increment}`` for the store to add. The increments must add up
         over queries: a long prefill's queries come in chunks (so that its probabilities
-        never exist whole) and the store adds the chunks' sum.
+        never exist whole) and the store adds the chunks' sum. They must be means over the
+        heads: under tensor parallelism each rank sees its own heads, and the cache averages
+        the ranks' increments into the mean over all of them.
         """
         return None

@@ -16,7 +16,7 @@ import copy
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..distributed import LOCAL, HeadShards, check_policy, head_shards_of
+from ..distributed import LOCAL, HeadShards, head_shards_of
 from ..policies import Policy
 from ..runtime import CacheRuntime, LayerRuntime
 from .attention import ATTENTION_NAME, LAYER_ATTR, UnsupportedModelError
@@ -106,7 +106,7 @@ class KVComposeCache(CacheRuntime, Cache):
             raise ValueError(f"Policy {policy.name!r}: {policy.needs_text} reads the generated text; pass "
                              "tokenizer= to make_cache (policy.generate passes its own)")
         return cls(policy, num_layers, fused_attention=fused_attention, memory_basis=memory_basis, tokenizer=tokenizer,
-                   heads=check_policy(policy, head_shards_of(model)))
+                   heads=head_shards_of(model))
 
     def __init__(self, policy: "Policy", num_layers: int, fused_attention: bool = True,
                  memory_basis: "torch.dtype | str | None" = torch.bfloat16, tokenizer=None, heads: HeadShards = LOCAL):

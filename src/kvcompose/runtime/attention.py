@@ -18,10 +18,15 @@ def paged_attention(layer, query, positions, scaling):
     """The fused decode attention over the store's blocks and buffer (no dense view)."""
     evictor = layer.cache.policy.evictor
     backend = layer.cache.attention_backend
+    heads = layer.cache.heads
     if evictor is not None and evictor.mass_channel is not None:
         sources, channels = layer.store.attention_sources_with(evictor.mass_channel)
         weight = (positions[:, -1] >= 0).float()  # padding queries add nothing
-        return paged_decode_attention(query, sources, scaling, mass=(channels, weight), backend=backend)
+        before = [c.clone() for c in channels] if heads.sharded else []
+        out = paged_decode_attention(query, sources, scaling, mass=(channels, weight), backend=backend)
+        for channel, old in zip(channels, before):  # this rank's heads' mean -> the mean over every rank's
+            channel.copy_(old + over_ranks(heads, channel - old))
+        return out
     sources = layer.store.attention_sources()
     if evictor is None or not evictor.needs_probs:
         return paged_decode_attention(query, sources, scaling, backend=backend)
@@ -29,7 +34,7 @@ def paged_attention(layer, query, positions, scaling):
     probs = probs[:, :, None, :] * (positions >= 0)[:, None, :, None]  # padding queries receive nothing
     _, valid, _ = layer.store.slot_state()
     for name, d in (evictor.observe(probs, valid) or {}).items():
-        layer.store.add_to_slots(name, d)
+        layer.store.add_to_slots(name, over_ranks(heads, d))
     return out
 
 
@@ -43,13 +48,21 @@ def dense_attention(layer, query, view, positions, scaling):
     if policy.evictor is not None and policy.evictor.needs_probs:
         out, delta = _attention_observed(query, view, mask, positions, scaling, policy.evictor.observe)
         for name, d in delta.items():
-            store.add_to_channel(name, view, d)
+            store.add_to_channel(name, view, over_ranks(layer.cache.heads, d))
     else:
         out = F.scaled_dot_product_attention(
             query, view.keys, view.values, attn_mask=mask, scale=scaling,
             enable_gqa=query.shape[1] != view.keys.shape[1],
         )
     return out
+
+
+def over_ranks(heads, delta: torch.Tensor) -> torch.Tensor:
+    """An evictor's per-slot increment, a mean over this rank's heads (the :meth:`Evictor.observe`
+    contract), as the mean over the heads of every tensor-parallel rank (each holds as many)."""
+    if not heads.sharded:
+        return delta
+    return heads.all_sum(delta.contiguous()) / heads.size
 
 
 #: fp32 probabilities an accumulating evictor's attention holds at once (see :func:`_attention_observed`).
