@@ -21,7 +21,8 @@ from kvcompose import Policy
 from kvcompose.distributed import LOCAL
 from kvcompose.hf import load_tensor_parallel
 
-PRESETS = ["fullkv", "rkv", "snapkv", "nvfp4", "kivi2", "thinkv", "reasoncache", "h2o"]
+PRESETS = ["fullkv", "rkv", "snapkv", "nvfp4", "kivi2", "thinkv", "reasoncache", "h2o",
+           "thinkv+hadamard"]  # ThinKV with its stored keys and values rotated per head
 WORKER = Path(__file__).with_name("tp_worker.py")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
 

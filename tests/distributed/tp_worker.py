@@ -81,8 +81,14 @@ def byte_counts(cache) -> dict:
             "sharing": report.sharing}
 
 
+def make_policy(name: str) -> Policy:
+    """The preset ``name`` with the short-run overrides; ``preset+rotation`` adds that rotation."""
+    name, _, rotation = name.partition("+")
+    return Policy.from_preset(name, **OVERRIDES.get(name, {}), **({"rotation": rotation} if rotation else {}))
+
+
 def run_generation(model, name: str) -> dict:
-    policy = Policy.from_preset(name, **OVERRIDES.get(name, {}))
+    policy = make_policy(name)
     ids, mask = prompts()
     cache = policy.make_cache(model)
     with torch.inference_mode():
@@ -94,7 +100,7 @@ def run_generation(model, name: str) -> dict:
 
 def run_script(model, name: str) -> dict:
     """Prefill, then teacher-force :data:`SCRIPT` so that the filter sees repeated steps."""
-    policy = Policy.from_preset(name, **OVERRIDES.get(name, {}))
+    policy = make_policy(name)
     ids, mask = prompts()
     cache = policy.make_cache(model, tokenizer=ScriptTokenizer())
     chosen = []

@@ -80,12 +80,16 @@ class LayerRuntime:
         without a rotation. A matrix whose entries are all ``±1/sqrt(D)`` (Hadamard) is applied
         as its ``±1`` multiple ``S``, which any float dtype holds exactly: ``back = S^T / D`` and
         ``gain = D`` (a power of two here) are exact too, and the attention scale takes the gain.
-        Other orthogonal matrices are applied as given (``gain = 1``)."""
+        Other orthogonal matrices are applied as given (``gain = 1``). Under tensor parallelism
+        the rank takes the matrices of the heads it holds (the group's ``rank``-th slice), so
+        every head is rotated as in one process."""
         spec = self.cache.policy.rotation
         if spec is None:
             return None
         if self.rotation_matrices is None:
-            m = spec.matrices(self.layer_idx, key.shape[1], key.shape[-1])
+            heads, local = self.cache.heads, key.shape[1]
+            m = spec.matrices(self.layer_idx, heads.total(local), key.shape[-1])
+            m = None if m is None else m[heads.rank * local:(heads.rank + 1) * local]
             self.rotation_matrices = False if m is None else _exact_form(m, key.dtype, key.device)
         return self.rotation_matrices if self.rotation_matrices is not False else None
 
