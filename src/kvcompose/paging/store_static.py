@@ -64,8 +64,11 @@ class StoreStatic:
         blocks and shift the rest to the front (what :meth:`append` does, with fixed shapes)."""
         G, cap = self.group_size, self.buf_k.shape[1]
         full = self.buf_len == cap
-        first_group = full[:, None] & (torch.arange(cap, device=self.device) < G)
-        self.encode_and_place(self.buf_k, self.buf_v, self.buf_meta, first_group, aligned=True)
+        # Only the first G columns are encoded: the aligned encode flattens rows, and formats whose
+        # scales span several tokens (KIVI's keys) group them from row starts G apart, a multiple
+        # of their token group, so no group ever mixes two rows.
+        self.encode_and_place(self.buf_k[:, :G], self.buf_v[:, :G], {n: t[:, :G] for n, t in self.buf_meta.items()},
+                              full[:, None].expand(-1, G), aligned=True)
         for t, fill in self._buffer_tensors():
             shifted = torch.cat([t[:, G:], torch.full_like(t[:, :G], fill)], dim=1)
             t.copy_(torch.where(full.view(-1, *[1] * (t.dim() - 1)), shifted, t))
