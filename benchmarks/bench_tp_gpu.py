@@ -19,7 +19,8 @@ Two measurements per (TP, policy):
 - **Fixed memory per GPU** (``--memory-gib``, default 70): the largest batch whose peak
   memory on every GPU stays under the cap for prompt 512 + 8,192 reserved new tokens, from
   probes at batch 2 and 4 (the largest peak over ranks), then timed over ``--window`` steps
-  at that batch.
+  at that batch. The search stops at 1,024 rows (``batch_limit_reached`` says a record got
+  there: more would fit).
 
     python benchmarks/bench_tp_gpu.py --smoke --tp 1,2             # tiny model, seconds
     python benchmarks/bench_tp_gpu.py --tp 1,2,4 --out benchmarks/results/tp_gpu.json
@@ -91,6 +92,9 @@ def ranks_agree(cache) -> dict:
     return {"ranks_agree": bool(same.item())}
 
 
+BATCH_LIMIT = 1024  # the fixed-memory search stops here (a record at it says batch_limit_reached)
+
+
 def largest_batch(model, policy, prompt: int, new: int, cap_gib: float) -> int:
     """The largest batch under ``cap_gib`` on every GPU, from short runs at batch 2 and 4
     (the peak of the rank that peaks highest, so every rank picks the same batch)."""
@@ -110,7 +114,7 @@ def largest_batch(model, policy, prompt: int, new: int, cap_gib: float) -> int:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         peaks[b] = peak.item()
     per_row = (peaks[4] - peaks[2]) / 2
-    return fit(peaks[2] - 2 * per_row, per_row, 0.97 * cap_gib * 2**30)
+    return fit(peaks[2] - 2 * per_row, per_row, 0.97 * cap_gib * 2**30, limit=BATCH_LIMIT)
 
 
 def worker(args) -> None:
@@ -140,7 +144,7 @@ def worker(args) -> None:
                     row.update(time_policy(model, policy, ids, mask, args.window, reserve_new_tokens=args.fixed_new,
                                            inspect=ranks_agree),
                                prompt=args.fixed_prompt, reserved_new_tokens=args.fixed_new,
-                               memory_cap_gib=args.memory_gib)
+                               memory_cap_gib=args.memory_gib, batch_limit_reached=batch >= BATCH_LIMIT)
                     peak = torch.tensor(row["peak_gib"], device="cuda")
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
                     row.update(peak_gib_max_rank=peak.item(), over_cap=peak.item() > args.memory_gib)

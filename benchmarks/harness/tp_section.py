@@ -5,10 +5,13 @@ from __future__ import annotations
 from .results import RESULTS_DIR, read_runs
 from .table import NONE, markdown_table, run_gpu
 
+BATCH_LIMIT = 1024  # where bench_tp_gpu.py's fixed-memory search stops
+
 TP_KINDS = {
     "same_batch": "**Same batch.** Every degree decodes the same batch; *x TP=1* is tok/s over the same policy's at TP = 1.",
     "fixed_memory": "**Fixed memory per GPU.** The largest batch whose peak on every GPU stays under the cap "
-                    "(weights included), timed over the run's window; *x TP=1* compares tok/s across batches.",
+                    "(weights included), timed over the run's window; *x TP=1* compares tok/s across batches. The "
+                    f"search stops at {BATCH_LIMIT:,} rows (*search limit*: more would fit).",
 }
 
 
@@ -34,7 +37,7 @@ def tensor_parallel(lines: list[str]) -> None:
         shape = (f"prompt {recs[0]['prompt']:,}, {recs[0]['new_tokens']:,} new tokens timed" +
                  (f", cap {recs[0]['memory_cap_gib']:g} GiB per GPU, room reserved for "
                   f"{recs[0]['reserved_new_tokens']:,} new tokens" if kind == "fixed_memory" else ""))
-        rows = [[r["run"], run_gpu({"gpu": r.get("gpu")}), r["tp"], r["policy"], r.get("batch"),
+        rows = [[r["run"], run_gpu({"gpu": r.get("gpu")}), r["tp"], r["policy"], _batch(r),
                  *(f"{r[c]:.2f}" if r.get(c) is not None else NONE for c in ("ms_per_step", "steady_ms_per_step",
                                                                             "floor_ms_per_step")),
                  f"{r['tok_per_s']:,.0f}" if r.get("tok_per_s") else NONE,
@@ -44,3 +47,11 @@ def tensor_parallel(lines: list[str]) -> None:
         lines += [f"{method} {shape[0].upper() + shape[1:]}.", ""]
         lines += markdown_table(["run", "GPU", "TP", "policy", "batch", "ms/step", "steady ms/step", "floor ms/step", "tok/s",
                          "x TP=1", "ranks agree", "peak GiB"], rows) + [""]
+
+
+
+def _batch(record: dict):
+    """The batch, marked where the fixed-memory search stopped at its limit (more rows would fit)."""
+    at_limit = record.get("kind") == "fixed_memory" and (record.get("batch_limit_reached")
+                                                        or record.get("batch", 0) >= BATCH_LIMIT)
+    return f"{record.get('batch')} (search limit)" if at_limit else record.get("batch")
