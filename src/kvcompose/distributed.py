@@ -89,6 +89,11 @@ def head_shards_of(model) -> HeadShards:
     size = getattr(model, "_tp_size", None) or 1
     if size <= 1:
         return LOCAL
+    config = model.config.get_text_config()
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kv_heads % size:
+        raise ValueError(f"the model's {kv_heads} KV heads do not split evenly over its {size} tensor-parallel ranks "
+                         "(replicated KV heads are not supported); accepted: a rank count that divides the KV heads")
     mesh = getattr(model, "_device_mesh", None)
     if mesh is None:
         raise ValueError(f"the model reports tensor-parallel size {size} but no device mesh; load it with "

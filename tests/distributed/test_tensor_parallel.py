@@ -119,3 +119,16 @@ def test_the_example_generates_on_two_ranks_and_reports_every_ranks_bytes(checkp
                 "a short prompt"])
     assert "--- a short prompt" in out
     assert "this rank      0 of 2 tensor-parallel ranks" in out and "all ranks      in use" in out
+
+
+def test_a_tensor_parallel_model_whose_kv_heads_do_not_split_is_refused():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from kvcompose.distributed import head_shards_of
+
+    model = SimpleNamespace(_tp_size=4, config=LlamaConfig(num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="2 KV heads do not split evenly over its 4 tensor-parallel ranks"):
+        head_shards_of(model)
+    assert head_shards_of(SimpleNamespace(_tp_size=None)) is LOCAL
