@@ -6,8 +6,9 @@ data (``nonzero``, ``argwhere``, ``unique``, ``masked_select``, one-argument ``w
 boolean-mask indexing), writing a Python scalar through a tensor index and making a tensor
 from Python data with ``torch.tensor`` (host-to-device copies on CUDA) raise ``HostSyncError``. A step that passes on CPU has none of the syncs that make a
 capture fail on the GPU. Let through are Triton's interpreter (a kernel launch is one
-graph node on CUDA) and ``kvcompose.device_constants`` (it makes each constant once, and
-static decode runs every kind of step once eagerly before it captures one). The torch
+graph node on CUDA), ``kvcompose.device_constants`` (it makes each constant once, and
+static decode runs every kind of step once eagerly before it captures one) and
+``kvcompose.ops.paged_attention.cpu_bound`` (it reads a count only when it lies on the CPU). The torch
 references of the ops are checked like everything else (on CUDA they run where a kernel
 does not fit); so is the host code that launches the kernels, when the step runs with
 the kernels forced into the interpreter (:func:`forced_step_kernels`)."""
@@ -21,6 +22,7 @@ import sys
 import torch
 
 CONSTANTS = os.sep + os.path.join("kvcompose", "device_constants.py")
+CPU_BOUND = os.sep + os.path.join("kvcompose", "ops", "paged_attention", "cpu_bound.py")  # reads only CPU tensors
 try:  # Triton's own package folder (a checkout under some other folder named "triton" is not let through)
     import triton
 
@@ -34,7 +36,7 @@ def _inside_ops() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(TRITON) or name.endswith(CONSTANTS):
+        if name.startswith(TRITON) or name.endswith(CONSTANTS) or name.endswith(CPU_BOUND):
             return True
         frame = frame.f_back
     return False

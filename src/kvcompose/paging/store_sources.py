@@ -30,22 +30,30 @@ class StoreSources:
         parts = self._sources()
         return [source for source, _, _ in parts], [meta[channel] for _, meta, _ in parts]
 
+    def _pool_tables(self, pool: BlockPool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The block tables of the regions that share ``pool``, each with the columns its rows have
+        written (the attention's loops stop there), in region order. On CUDA, regions sharing a
+        pool go side by side in one table (one kernel launch; no bound); on the CPU each keeps its
+        own, so the reference attention reads only what each holds."""
+        regions = [r for r in self.regions if r.pool is pool]
+        if len(regions) == 1 or self.device.type != "cuda":
+            return [(r.table, r.length) for r in regions]
+        return [(torch.cat([r.table for r in regions], dim=1), None)]
+
     def _sources(self) -> list[tuple[PagedSource, dict, BlockPool | None]]:
         """``(source, its flat per-slot metadata channels, its pool or None for the buffer)``
         in :meth:`attention_sources` order."""
         out = []
         for name, pool in self.pools.items():
-            regions = [r for r in self.regions if r.pool is pool]
-            table = regions[0].table if len(regions) == 1 else torch.cat([r.table for r in regions], dim=1)
-            # a lone region's slots written bound the columns its rows use: the kernel's loops stop there
-            extent = regions[0].length if len(regions) == 1 else None
-            if table.shape[1] == 0:
+            tables = [(t, extent) for t, extent in self._pool_tables(pool) if t.shape[1]]
+            if not tables:
                 continue
             meta = pool.flat_slots(pool.meta)
             slots = pool.flat_slots(pool.slots)
             k, v = pool.codec.kv_operands(slots, pool.flat_groups(), self.row_scales[name])
             decoded = (slots[DECODED[0]], slots[DECODED[1]]) if pool.decoded else None
-            out.append((PagedSource(k, v, table, pool.block_size, meta["valid"], decoded, extent), meta, pool))
+            out += [(PagedSource(k, v, table, pool.block_size, meta["valid"], decoded, extent), meta, pool)
+                    for table, extent in tables]
         B, cap = self.buf_k.shape[:2]
         if cap:
             flat = (B * cap, self.num_kv_heads, self.head_dim)

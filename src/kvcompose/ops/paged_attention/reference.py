@@ -14,6 +14,7 @@ from ..quant_fp8 import fp8_dequantize_torch
 from ..quant_int import int_token_dequantize_torch
 from ..quant_nvfp4 import nvfp4_dequantize_torch
 from ..quant_ternary import ternary_dequantize_torch
+from .cpu_bound import written_part
 from .formats import KVOperand, PagedSource
 
 
@@ -91,6 +92,8 @@ def paged_decode_attention_torch(query: torch.Tensor, sources: list[PagedSource]
     keys and values), and each KV head's query heads attend together (GQA).
     """
     B, Hq, _, D = query.shape
+    if not return_probs:  # probabilities keep every column: their callers align them with the slots
+        sources = [written_part(s) for s in sources]
     parts = [dense_source_view(s, query.dtype) for s in sources]
     H = parts[0][0].shape[1]
     q = query.float().reshape(B, H, Hq // H, D)  # the query heads of each KV head, side by side
