@@ -198,6 +198,7 @@ def _cmd_bench(args) -> int:
     from .environment import environment
     from .eval.overrides import at_budgets
 
+    env = environment()  # where and with what this run starts (a later commit must not stamp it)
     presets = _preset_list(args.presets)
     budgets = None if args.budget is None else [args.budget]
     policies = [at_budgets(n, budgets)[0] for n in presets]  # the budget where a preset keeps one, as compare does
@@ -260,7 +261,7 @@ def _cmd_bench(args) -> int:
             json.dump({"batch": None if capped else args.batch, "memory_gib": args.memory_gib, "prompt": args.prompt,
                        "new_tokens": args.new_tokens, "window": window, "copy_tbps": copy_tbps,
                        "floor_method": speed.FLOOR_METHOD, "attention_kernels": kernels,
-                       "environment": environment(), "runs": rows}, f, indent=2)
+                       "environment": env, "runs": rows}, f, indent=2)
     return 0
 
 
