@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:
 
 from harness.results import latest_run, read_runs  # noqa: E402
 from harness.table import NONE, markdown_table as _table, run_gpu as _run_gpu  # noqa: E402
+from harness.cpu_section import cpu_decode  # noqa: E402
 from harness.tp_section import tensor_parallel  # noqa: E402
 
 RESULTS = ROOT / "results"
@@ -426,8 +427,8 @@ def render() -> dict[Path, str]:
              ""]
     figures: dict[Path, str] = {}
     e2e(lines, figures)
-    for section in (tensor_parallel, attention, decode_profile, quant, eviction, redundancy, thinkv, thinkv_ops,
-                    sharing):
+    for section in (tensor_parallel, attention, decode_profile, cpu_decode, quant, eviction, redundancy, thinkv,
+                    thinkv_ops, sharing):
         section(lines)
     return {OUT: "\n".join(lines), **figures}
 
