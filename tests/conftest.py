@@ -104,6 +104,23 @@ def greedy(model, ids, mask, new_tokens, cache=None, impl=None, **kw):
     return out[:, ids.shape[1]:]
 
 
+def teacher_force(model, cache, ids, mask, script, on_step=None) -> torch.Tensor:
+    """Prefill ``ids`` into ``cache``, then feed ``script`` one token per step (the same for every
+    row), telling the cache each step's ids first; ``on_step`` gets each step's last logits.
+    Returns the last logits."""
+    with torch.inference_mode():
+        cache.observe_tokens(ids, mask)
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for t in script:
+            step = torch.full((ids.shape[0], 1), t)
+            mask = torch.cat([mask, torch.ones_like(step)], 1)
+            cache.observe_tokens(step)
+            out = model(input_ids=step, attention_mask=mask, past_key_values=cache, use_cache=True)
+            if on_step is not None:
+                on_step(out.logits[:, -1])
+    return out.logits[:, -1]
+
+
 def char_tokenizer():
     """A tiny character-level fast tokenizer (no downloads)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -75,6 +75,9 @@ class HeadShards:
         dist.all_reduce(x, op=getattr(dist.ReduceOp, op), group=self.group)
         return x
 
+    def __deepcopy__(self, memo) -> "HeadShards":
+        return self  # a copied cache (a prompt's, reused) talks to the same ranks
+
     def __repr__(self) -> str:
         return f"HeadShards(size={self.size}, rank={self.rank})"
 

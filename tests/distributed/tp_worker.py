@@ -9,6 +9,7 @@ with repeated reasoning steps, so that its filter shares blocks.
     torchrun --nproc-per-node 2 tp_worker.py CHECKPOINT OUT fullkv rkv ...
 """
 
+import copy
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import char_tokenizer, left_padded  # noqa: E402  (the tests' shared helpers)
+from conftest import char_tokenizer, left_padded, teacher_force  # noqa: E402  (the tests' shared helpers)
 
 from kvcompose import Policy  # noqa: E402
 from kvcompose.hf import fast_generate, load_tensor_parallel  # noqa: E402
@@ -93,6 +94,7 @@ def run_generation(model, name: str) -> dict:
     cache = policy.make_cache(model)
     with torch.inference_mode():
         tokens = fast_generate(model, cache, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    copy.deepcopy(cache)  # a cache copies under tensor parallelism too (its process group is shared)
     eager = policy.generate(model, char_tokenizer(), TEXTS, max_new_tokens=NEW_TOKENS, fast=False)
     return {"tokens": tokens[:, ids.shape[1]:].tolist(), "generate": eager.sequences,
             "kept": kept_positions(cache), "channel": slot_channels(cache), **byte_counts(cache)}
@@ -104,15 +106,7 @@ def run_script(model, name: str) -> dict:
     ids, mask = prompts()
     cache = policy.make_cache(model, tokenizer=ScriptTokenizer())
     chosen = []
-    with torch.inference_mode():
-        cache.observe_tokens(ids, mask)
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        for t in SCRIPT:
-            step = torch.full((ids.shape[0], 1), t)
-            mask = torch.cat([mask, torch.ones_like(step)], 1)
-            cache.observe_tokens(step)
-            out = model(input_ids=step, attention_mask=mask, past_key_values=cache, use_cache=True)
-            chosen.append(out.logits[:, -1].argmax(-1).tolist())
+    teacher_force(model, cache, ids, mask, SCRIPT, on_step=lambda logits: chosen.append(logits.argmax(-1).tolist()))
     tables = [layer.store.regions[0].used_table().tolist() for layer in cache.layers]
     return {"tokens": chosen, "tables": tables, "kept": kept_positions(cache), **byte_counts(cache)}
 

@@ -4,7 +4,7 @@ and the keyword classifier inside a policy (tiny random models, a scripted token
 import pytest
 import torch
 
-from conftest import left_padded, tiny_model
+from conftest import left_padded, teacher_force, tiny_model
 from kvcompose import Policy
 from kvcompose.filters import CollaborativeFilter, RandomFilter, Step
 from kvcompose.filters.base import RowHistory
@@ -46,15 +46,7 @@ def _policy(**filter_fields):
 def _drive(model, policy, ids, mask, script, tokenizer=None):
     """Prefill then teacher-force ``script`` (same tokens for every row); returns the cache and last logits."""
     cache = policy.make_cache(model, tokenizer=tokenizer or ScriptTokenizer())
-    with torch.inference_mode():
-        cache.observe_tokens(ids, mask)
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        for t in script:
-            step = torch.full((ids.shape[0], 1), t)
-            mask = torch.cat([mask, torch.ones_like(step)], 1)
-            cache.observe_tokens(step)
-            out = model(input_ids=step, attention_mask=mask, past_key_values=cache, use_cache=True)
-    return cache, out.logits[:, -1]
+    return cache, teacher_force(model, cache, ids, mask, script)
 
 
 def _aliases(cache, row):
