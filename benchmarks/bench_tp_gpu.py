@@ -23,6 +23,7 @@ Two measurements per (TP, policy):
   there: more would fit).
 
     python benchmarks/bench_tp_gpu.py --smoke --tp 1,2             # tiny model, seconds
+    python benchmarks/bench_tp_gpu.py --smoke --tp 1,2 --kinds same_batch   # no GPU: ranks on the CPU (gloo)
     python benchmarks/bench_tp_gpu.py --tp 1,2,4 --out benchmarks/results/tp_gpu.json
 
 Records: ``tp``, ``policy``, ``batch``, ``ms_per_step``, ``tok_per_s``, ``scaling_vs_tp1``,
@@ -74,11 +75,12 @@ def ranks_agree(cache) -> dict:
     """Whether every layer of every rank holds the positions rank 0's holds (one collective per layer)."""
     import torch.distributed as dist
 
-    same = torch.ones((), dtype=torch.int32, device="cuda")
+    device = cache.layers[0].store.device  # the group's: NCCL on GPUs, gloo on the CPU
+    same = torch.ones((), dtype=torch.int32, device=device)
     for layer in cache.layers:
         positions, valid, _ = layer.store.slot_state()
         held = torch.where(valid, positions, -1).sort(dim=1).values.contiguous()
-        shape = torch.tensor(held.shape, device="cuda")
+        shape = torch.tensor(held.shape, device=device)
         first = shape.clone()
         dist.broadcast(first, src=0)
         if not torch.equal(first, shape):
@@ -123,11 +125,12 @@ def worker(args) -> None:
     from kvcompose.hf import load_tensor_parallel
     from kvcompose.speed import add_floor, copy_tbps, random_prompts, time_policy
 
-    model = load_tensor_parallel(args.checkpoint, dtype=torch.bfloat16)
+    cuda = torch.cuda.is_available()
+    model = load_tensor_parallel(args.checkpoint, dtype=torch.bfloat16 if cuda else torch.float32)
     model.generation_config.eos_token_id = None
     tp, rank = dist.get_world_size(), dist.get_rank()
-    copy = copy_tbps(model.device)
-    torch.cuda.empty_cache()
+    copy = copy_tbps(model.device, None if cuda else 2**28)  # a CPU check copies less
+    _empty_cache()
     rows = []
     for name in [p for p in args.policies.split(",") if p]:
         policy = make_policy(name, args.budget, args.smoke)
@@ -154,7 +157,7 @@ def worker(args) -> None:
                 traceback.print_exc()
                 row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             rows.append(add_floor(row, copy))
-            torch.cuda.empty_cache()
+            _empty_cache()
             if rank == 0:
                 print(json.dumps(rows[-1]), flush=True)
     if rank == 0:
@@ -165,15 +168,20 @@ def worker(args) -> None:
 
 
 # ------------------------------------------------------------------ the driver
-def write_checkpoint(path: Path, smoke: bool) -> None:
+def write_checkpoint(path: Path, smoke: bool, device: str) -> None:
     """The random model, saved once (seed 0) for every TP degree to load."""
     if (path / "config.json").exists():
         return
-    model = llama_model(smoke, "cuda", dtype=torch.bfloat16)
+    model = llama_model(smoke, device, dtype=torch.bfloat16)
     model.set_attn_implementation("sdpa")  # the loader sets kvcompose's
     model.save_pretrained(path)
     del model
-    torch.cuda.empty_cache()
+    _empty_cache()
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_degree(tp: int, args, checkpoint: Path, records: Path) -> list[dict]:
@@ -230,10 +238,13 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     log = ResultLog(args.out, environment(allocator=os.environ["PYTORCH_CUDA_ALLOC_CONF"])) if args.out else None
+    cuda = torch.cuda.is_available()
+    if not cuda and (not args.smoke or "fixed_memory" in args.kinds):
+        ap.error("without a GPU only --smoke --kinds same_batch runs (ranks on the CPU over gloo: checks the script)")
     checkpoint = Path(args.checkpoint or tempfile.mkdtemp(prefix="kvcompose_tp_"))
-    write_checkpoint(checkpoint, args.smoke)
+    write_checkpoint(checkpoint, args.smoke, "cuda" if cuda else "cpu")
     rows: list[dict] = []
-    gpu = torch.cuda.get_device_name(0)
+    gpu = torch.cuda.get_device_name(0) if cuda else None
     for tp in [int(t) for t in args.tp.split(",") if t]:
         with tempfile.TemporaryDirectory() as scratch:
             rows += [dict(r, gpu=gpu, batch=r.get("batch", args.batch)) for r in
