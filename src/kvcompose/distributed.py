@@ -86,17 +86,22 @@ class HeadShards:
 LOCAL = HeadShards()
 
 
+def check_heads_split(config, size: int, owner: str) -> None:
+    """Refuse a model whose attention or KV heads do not split evenly over ``size`` ranks
+    (replicated KV heads are not supported), naming the counts."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kv_heads % size or config.num_attention_heads % size:
+        raise ValueError(f"{owner}: {config.num_attention_heads} attention heads and {kv_heads} KV heads cannot be "
+                         f"split over {size} tensor-parallel ranks; accepted: a rank count that divides both")
+
+
 def head_shards_of(model) -> HeadShards:
     """The tensor-parallel group of a model that transformers loaded with a tensor-parallel plan
     (``from_pretrained(..., tp_plan="auto")`` or its ``distributed_config``), else :data:`LOCAL`."""
     size = getattr(model, "_tp_size", None) or 1
     if size <= 1:
         return LOCAL
-    config = model.config.get_text_config()
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if kv_heads % size:
-        raise ValueError(f"the model's {kv_heads} KV heads do not split evenly over its {size} tensor-parallel ranks "
-                         "(replicated KV heads are not supported); accepted: a rank count that divides the KV heads")
+    check_heads_split(model.config.get_text_config(), size, "the model")
     mesh = getattr(model, "_device_mesh", None)
     if mesh is None:
         raise ValueError(f"the model reports tensor-parallel size {size} but no device mesh; load it with "

@@ -100,7 +100,7 @@ def test_loading_tensor_parallel_needs_torchrun_and_heads_that_divide(checkpoint
     with pytest.raises(ValueError, match="torchrun"):
         load_tensor_parallel(str(checkpoint))
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match="4 attention heads and 2 KV heads cannot be split over 3 ranks"):
+    with pytest.raises(ValueError, match="4 attention heads and 2 KV heads cannot be split over 3 tensor-parallel ranks"):
         load_tensor_parallel(str(checkpoint))
 
 
@@ -119,7 +119,7 @@ def test_a_tensor_parallel_model_whose_kv_heads_do_not_split_is_refused():
     from kvcompose.distributed import head_shards_of
 
     model = SimpleNamespace(_tp_size=4, config=LlamaConfig(num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(ValueError, match="2 KV heads do not split evenly over its 4 tensor-parallel ranks"):
+    with pytest.raises(ValueError, match="the model: 4 attention heads and 2 KV heads cannot be split over 4 tensor-parallel ranks"):
         head_shards_of(model)
     assert head_shards_of(SimpleNamespace(_tp_size=None)) is LOCAL
 

@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from ..distributed import check_heads_split
+
 
 def load_tensor_parallel(path: str, dtype: torch.dtype | str | None = None, **kwargs):
     """``AutoModelForCausalLM.from_pretrained(path)`` sharded over the ranks ``torchrun`` started.
@@ -33,10 +35,7 @@ def load_tensor_parallel(path: str, dtype: torch.dtype | str | None = None, **kw
         raise ValueError("load_tensor_parallel needs the environment torchrun sets (WORLD_SIZE); run the script "
                          "with `torchrun --nproc-per-node N script.py`")
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision",)})
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if kv_heads % world or config.num_attention_heads % world:
-        raise ValueError(f"{path}: {config.num_attention_heads} attention heads and {kv_heads} KV heads cannot be "
-                         f"split over {world} ranks; accepted: a rank count that divides both")
+    check_heads_split(config.get_text_config(), world, path)
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
