@@ -210,3 +210,25 @@ def test_full_precision_pools_and_other_query_dtypes_decode_as_before():
     source = store.attention_sources()[0]
     assert source.with_decoded(torch.float32).key.fmt == "dense"
     assert source.with_decoded(torch.bfloat16) is source  # a copy in another dtype is not the reference's values
+
+
+def test_regions_sharing_a_pool_are_sources_of_their_own_bounded_by_what_they_wrote():
+    """ThinKV's R and E share one NVFP4 pool. Each stays a source with its own table and its
+    written length as the kernels' loop bound, so neither is read over its whole reservation;
+    the kernel (interpreted) over those sources gives the reference's output."""
+    store = make_store("thinkv")
+    append(store, 40, seed=3)
+    shared = [r for r in store.regions if r.pool is store.regions[0].pool]
+    assert len(shared) == 2, "R and E should share the NVFP4 pool"
+    sources = store.attention_sources()
+    tables = [s.table for s in sources]
+    for region in shared:
+        at = [i for i, t in enumerate(tables) if t is region.table]
+        assert len(at) == 1, "every region of a shared pool is one source of its own"
+        assert torch.equal(sources[at[0]].extent, region.length)
+    assert all(s.extent is not None for s in sources[:-1])  # the pools' sources; the buffer is last
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(B, 2 * H, 1, D, generator=g)
+    ref = paged_decode_attention(query, sources, 0.125, backend="torch")
+    out = paged_decode_attention(query, sources, 0.125, backend="triton")
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)

@@ -19,8 +19,7 @@ class StoreSources:
 
     def attention_sources(self) -> list[PagedSource]:
         """The layer's tokens where they lie, for :func:`~kvcompose.ops.paged_decode_attention`:
-        one source per pool (the block tables of the regions sharing it side by side), then
-        the recent buffer, each with its pool's decoded copy where it keeps one. Nothing is
+        one source per region (regions may share a pool), then the recent buffer, each with its pool's decoded copy where it keeps one. Nothing is
         copied or decoded; no host synchronization."""
         return [source for source, _, _ in self._sources()]
 
@@ -30,15 +29,13 @@ class StoreSources:
         parts = self._sources()
         return [source for source, _, _ in parts], [meta[channel] for _, meta, _ in parts]
 
-    def _pool_tables(self, pool: BlockPool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _pool_tables(self, pool: BlockPool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The block tables of the regions that share ``pool``, each with the columns its rows have
-        written (the attention's loops stop there), in region order. On CUDA, regions sharing a
-        pool go side by side in one table (one kernel launch; no bound); on the CPU each keeps its
-        own, so the reference attention reads only what each holds."""
-        regions = [r for r in self.regions if r.pool is pool]
-        if len(regions) == 1 or self.device.type != "cuda":
-            return [(r.table, r.length) for r in regions]
-        return [(torch.cat([r.table for r in regions], dim=1), None)]
+        written (the attention's loops stop there), in region order. Each region stays a source of
+        its own: a table of regions side by side would make the kernels read every region over its
+        whole reservation (ThinKV's R and E share one NVFP4 pool, and each reserves room for the
+        prompt), and gluing the tables costs a copy per layer and step."""
+        return [(r.table, r.length) for r in self.regions if r.pool is pool]
 
     def _sources(self) -> list[tuple[PagedSource, dict, BlockPool | None]]:
         """``(source, its flat per-slot metadata channels, its pool or None for the buffer)``
