@@ -162,7 +162,7 @@ def run(shapes, formats, repeats: int, kernels: list[str]) -> tuple[float, list[
                        "speedup_vs_bf16_kernel": None if bf16_ms is None else bf16_ms / ms,
                        "max_abs_diff_vs_reference": check(query, sources, kernel),
                        "launch": dict(zip(("tile_tokens", "warps"), TILE_SHAPE)) if kernel == "triton" else
-                       {"tile_tokens": NATIVE_TILE, "warps": 1, "min_blocks": native.MIN_BLOCKS}}
+                       {"tile_tokens": NATIVE_TILE, "warps": 1}}
                 results.append(row)
                 print(f"{label:8s} {kernel:6s} B={B:4d} L={L:6d} D={dim:3d}  {ms:8.4f} ms  {tbps:5.2f} TB/s  "
                       f"{row['fraction_of_copy']:5.1%} of copy  sdpa {base_ms:8.4f} ms ({backend})  "

@@ -53,10 +53,11 @@ def check_native(query, sources, tol=1.6e-2):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (8, 128), (4, 64), (8, 64), (1, 128)])
-def test_cuda_native_kernel_matches_reference(group, head_dim):
+@pytest.mark.parametrize("group,head_dim,H", [(1, 64, 4), (4, 128, 2), (8, 128, 1), (4, 64, 2), (8, 64, 1),
+                                              (1, 128, 4), (4, 128, 8), (4, 64, 8), (2, 128, 6)])
+def test_cuda_native_kernel_matches_reference(group, head_dim, H):
+    """Every GQA group (1, 2, 4, 8) and head dim (64, 128), with 1 to 8 KV heads."""
     lengths = [1, 0, 3000, 700, 16, 4097, 33]
-    H = 8 // group if group > 1 else 4
     src = make_source("nvfp4", lengths, H, head_dim, device="cuda")
     query = torch.randn(len(lengths), H * group, 1, head_dim, device="cuda").to(torch.bfloat16)
     plans = _native_plans(query, [src], False, "cuda")[1]

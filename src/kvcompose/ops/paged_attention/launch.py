@@ -169,8 +169,7 @@ def _native_plans(q: torch.Tensor, sources: list[PagedSource], scores: bool, nat
     if built is None:
         return None, {}, 0
     B, H = q.shape[0], sources[0].key.codes.shape[1]
-    per_sm = native_kernel.resident_programs(q.device.index or 0, q.shape[-1], q.dtype == torch.bfloat16,
-                                             native_kernel.MIN_BLOCKS)
+    per_sm = native_kernel.resident_programs(q.device.index or 0, q.shape[-1], q.dtype == torch.bfloat16)
     plans, first = {}, 0
     for i in take:
         tokens = sources[i].tokens

@@ -2,9 +2,10 @@
 
 The Triton partial kernel decodes every format; for NVFP4 keys and values it spends most of
 its instructions moving decoded values into the tensor cores' operand layout, and reads
-memory at a third of copy bandwidth. The CUDA kernel loads each thread's mma fragment
-straight from the codes (see the notes at the top of the ``.cu`` file). It writes partial
-results in the Triton merge kernel's layout, so the two kernels share one merge.
+memory at a third of copy bandwidth. The CUDA kernel stages each tile's codes in shared
+memory and reads each thread's mma fragment straight from them (see the notes at the top of
+the ``.cu`` file). It writes partial results in the Triton merge kernel's layout, so the two
+kernels share one merge.
 
 It is built with ``torch.utils.cpp_extension.load_inline`` the first time a step could use
 it (about a minute, cached by torch afterwards), and only where it can run: a CUDA GPU of
@@ -32,12 +33,11 @@ log = logging.getLogger("kvcompose")
 ENABLED = os.environ.get("KVCOMPOSE_NATIVE_ATTENTION", "1") != "0"
 HEAD_DIMS = (64, 128)
 #: Head dims where ``backend=None`` picks the CUDA kernel: measured on an H200
-#: (``benchmarks/results/attention_gpu.json``), it beat the Triton kernel at 128 (1.02-1.27x on
-#: NVFP4 pools) and lost at 64 (0.93x at 16 x 8K), so head dim 64 runs it only when asked.
+#: (``benchmarks/results/attention_gpu.json``), it beat the Triton kernel at 128 (1.07-1.53x on
+#: NVFP4 pools, 1.05-1.18x on ThinKV's mixed store); at 64 it won on an NVFP4 pool (1.14x at
+#: 16 x 8K) and lost on the mixed store (0.93x), so head dim 64 runs it only when asked.
 AUTO_HEAD_DIMS = (128,)
 MAX_GROUP = 8  # query heads per KV head: the mma's 8 columns
-#: Programs the compiled head-dim-128 kernel is held to fit per SM (registers capped to match): 1 or 10.
-MIN_BLOCKS = 1
 SOURCE = Path(__file__).with_name("native_nvfp4.cu")
 _STATE: dict = {}  # device index -> (module or None, reason)
 
@@ -49,6 +49,7 @@ def fits(query: torch.Tensor, src: PagedSource) -> bool:
     return (src.key.fmt == "nvfp4" and src.value.fmt == "nvfp4" and query.shape[-1] in HEAD_DIMS
             and query.dtype in (torch.bfloat16, torch.float16) and query.shape[1] // H <= MAX_GROUP
             and src.table.dtype == torch.int64 and src.key.codes.is_contiguous() and src.value.codes.is_contiguous()
+            and src.block_size % 4 == 0 and src.valid.data_ptr() % 4 == 0  # validity is copied four slots at once
             and src.key.scale.is_contiguous() and src.value.scale.is_contiguous()
             and max(src.key.codes.numel(), src.value.codes.numel()) < 2 ** 32  # the kernel's 32-bit offsets
             and all(t.data_ptr() % 16 == 0 for t in (src.key.codes, src.key.scale, src.value.codes, src.value.scale)))
@@ -110,15 +111,15 @@ _DECLARATIONS = """
 void nvfp4_partial(at::Tensor q, at::Tensor part, at::Tensor lse, at::Tensor table, at::Tensor valid, at::Tensor kc,
                    at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
                    c10::optional<at::Tensor> extent, int64_t block_size, int64_t per_split, int64_t n_splits,
-                   int64_t first, int64_t total, double qk_scale, int64_t min_blocks);
-int64_t nvfp4_resident(int64_t D, bool bf16, int64_t min_blocks);
+                   int64_t first, int64_t total, double qk_scale);
+int64_t nvfp4_resident(int64_t D, bool bf16);
 """
 
 
 @functools.lru_cache(maxsize=64)
-def resident_programs(device_index: int, head_dim: int, bf16: bool, min_blocks: int) -> int:
+def resident_programs(device_index: int, head_dim: int, bf16: bool) -> int:
     """Programs (one warp each) of the CUDA kernel one SM holds at once."""
-    return max(1, int(_STATE[device_index][0].nvfp4_resident(head_dim, bf16, min_blocks)))
+    return max(1, int(_STATE[device_index][0].nvfp4_resident(head_dim, bf16)))
 
 
 def launch_partial(built, q: torch.Tensor, src: PagedSource, part: torch.Tensor, lse: torch.Tensor, first: int,
@@ -129,4 +130,4 @@ def launch_partial(built, q: torch.Tensor, src: PagedSource, part: torch.Tensor,
     built.nvfp4_partial(q, part, lse, src.table.contiguous(), src.valid.view(torch.uint8), key.codes, key.scale,
                         key.head_scale.float().contiguous(), value.codes, value.scale,
                         value.head_scale.float().contiguous(), src.extent, src.block_size, per_split, n_splits,
-                        first, total, qk_scale, MIN_BLOCKS)
+                        first, total, qk_scale)

@@ -3,7 +3,8 @@
 // Why a hand-written kernel: decoding 4-bit codes costs instructions, and a step of decode
 // attention has a budget of about one warp instruction per five bytes read at memory speed.
 // The Triton kernel spends most of it moving decoded values into the tensor cores' operand
-// layout. Here every thread loads exactly the bytes its mma fragment needs, so nothing moves:
+// layout. Here a tile's codes are copied as they lie into shared memory (cp.async, a tile ahead),
+// and every thread reads exactly the bytes its mma fragment needs, so nothing moves:
 //
 // * Keys are the mma's A operand (16 tokens x 16 channels), the queries its B operand (16
 //   channels x 8 query heads), the scores come out transposed (tokens x query heads).
@@ -30,7 +31,8 @@
 
 namespace {
 
-constexpr int TILE = 32;  // tokens per step of a warp's loop: one per lane
+constexpr int TILE = 32;    // tokens per step of a warp's loop: one per lane
+constexpr int STAGES = 2;  // tiles in a program's shared-memory ring (see Stage)
 
 template <int D>
 struct Shape {
@@ -107,19 +109,6 @@ __device__ __forceinline__ uint32_t half2_bits(float a, float b) {
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
-template <int N>
-__device__ __forceinline__ void load_words(const uint8_t* p, bool ok, uint32_t* w) {
-  if constexpr (N == 4) {
-    uint4 x = ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
-    w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w;
-  } else if constexpr (N == 2) {
-    uint2 x = ok ? *reinterpret_cast<const uint2*>(p) : make_uint2(0, 0);
-    w[0] = x.x; w[1] = x.y;
-  } else {
-    w[0] = ok ? *reinterpret_cast<const uint32_t*>(p) : 0u;
-  }
-}
-
 // The codes and scales one lane needs for one tile: four key tokens (rows gid, gid + 8 of the
 // tile's two 16-token halves) and eight value tokens (2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 of
 // each half), plus the validity of the lane's own token.
@@ -138,8 +127,8 @@ __device__ __forceinline__ int value_token(int vt, int tig) {
   return 16 * (vt >> 2) + 2 * tig + (u & 1) + 8 * (u >> 1);
 }
 
-// Where one (row, KV head) program reads: the pools, and the byte offsets of its head and lane
-// within a slot's codes and scales. Offsets are 32-bit (the launcher checks that the pools fit).
+// Where a program reads: the pools, and the byte offsets of its head within a slot's codes and
+// scales. Offsets are 32-bit (the launcher checks that the pools fit).
 struct Pools {
   const uint8_t* __restrict__ valid;
   const uint8_t* __restrict__ kc;
@@ -147,30 +136,112 @@ struct Pools {
   const uint8_t* __restrict__ vc;
   const uint8_t* __restrict__ vs;
   uint32_t code_stride, scale_stride;  // bytes per slot: H x (D / 2), H x (D / 16)
-  uint32_t kcode, kscale, vcode, vscale;  // the head's and lane's offsets within a slot
+  uint32_t code_at, scale_at;          // the head's offsets within a slot
 };
 
+// One stage of a program's shared-memory ring: a tile as it lies in the pools, copied by cp.async
+// while the tile before it is computed (the copies hold no registers). Per operand the tile's
+// code rows [TILE][D / 2], then per operand its block scales [TILE][D / 16], then TILE validity
+// bytes. Measured on an H200 (16 x 8K, 64 x 4K, 256 x 1K, head dim 128): 48-54% of the copy
+// bandwidth, against 42-46% when the next tile waited in registers. Three stages were slower
+// (fewer programs per SM), and so were programs of two to eight heads copying each slot's codes
+// whole. With the decoding replaced by a stand-in (benchmarks/tools/probe_native_gpu.py) the loop
+// is no faster: the products, the softmax and the reads of the stage hold it at this level.
+//
+// Code rows are stored in 16-byte chunks, swizzled: chunk i = t D / 32 + c (token t, chunk c of its
+// row) sits at i ^ (2 (i >> 3) & 6), which spreads every fragment read below over all banks.
 template <int D>
-__device__ __forceinline__ void load_tile(Tile<D>& t, int slot, const Pools& p, int gid, int tig) {
+struct Stage {
+  static constexpr int CODES = TILE * D / 2;    // code bytes of the tile, per operand
+  static constexpr int SCALES = TILE * D / 16;  // block-scale bytes of the tile, per operand
+  static constexpr int K = 0, V = CODES, KS = 2 * CODES, VS = KS + SCALES, VALID = VS + SCALES;
+  static constexpr int BYTES = VALID + TILE;
+};
+
+__device__ __forceinline__ uint32_t swizzle(uint32_t chunk) { return chunk ^ ((chunk >> 2) & 6); }
+
+// Offset in a stage's codes of byte `offset` of token t's row (within one 16-byte chunk).
+template <int D>
+__device__ __forceinline__ uint32_t code_at(int t, int offset) {
+  return 16 * swizzle(t * (D / 32) + offset / 16) + offset % 16;
+}
+
+template <int N>  // N bytes, zero-filled where !ok (nothing is read then)
+__device__ __forceinline__ void copy_async(uint32_t dst, const uint8_t* src, bool ok) {
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(ok ? N : 0));
+  }
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Start copying the tile whose lane-th token lies in slot `slot` (-1: none) into `stage`. Codes:
+// lane l copies chunks l, l + 32, ... of the tile (four lanes per token row at head dim 128, so
+// every instruction reads whole 64-byte rows); scales one copy per token; validity four tokens'
+// bytes per copy (a block holds a multiple of four tokens, and a tile starts a block).
+template <int D>
+__device__ __forceinline__ void issue_tile(uint32_t stage, int slot, const Pools& p, int lane) {
+  using St = Stage<D>;
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+    const int chunk = lane + 32 * i, t = chunk / (D / 32), c = chunk % (D / 32);
+    const int s = __shfl_sync(0xffffffffu, slot, t);
+    const uint32_t at = (uint32_t)max(s, 0) * p.code_stride + p.code_at + 16 * c;
+    const uint32_t dst = 16 * swizzle(chunk);
+    copy_async<16>(stage + St::K + dst, p.kc + at, s >= 0);
+    copy_async<16>(stage + St::V + dst, p.vc + at, s >= 0);
+  }
+  const uint32_t at = (uint32_t)max(slot, 0) * p.scale_stride + p.scale_at;
+  copy_async<D / 16>(stage + St::KS + (D / 16) * lane, p.ks + at, slot >= 0);
+  copy_async<D / 16>(stage + St::VS + (D / 16) * lane, p.vs + at, slot >= 0);
+  if ((lane & 3) == 0) copy_async<4>(stage + St::VALID + lane, p.valid + max(slot, 0), slot >= 0);
+}
+
+template <int N>
+__device__ __forceinline__ void load_shared(uint32_t at, uint32_t* w) {
+  if constexpr (N == 4) {
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(at));
+  } else if constexpr (N == 2) {
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(at));
+  } else {
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w[0]) : "r"(at));
+  }
+}
+
+__device__ __forceinline__ uint32_t load_shared_u8(uint32_t at) {
+  uint32_t r;
+  asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(r) : "r"(at));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t load_shared_u16(uint32_t at) {
+  uint32_t r;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(r) : "r"(at));
+  return r;
+}
+
+// A lane's fragments of one tile, read from its stage; `live`: the lane's token is in the split.
+template <int D>
+__device__ __forceinline__ void read_tile(Tile<D>& t, uint32_t stage, bool live, int gid, int tig, int lane) {
   using S = Shape<D>;
+  using St = Stage<D>;
 #pragma unroll
   for (int kt = 0; kt < 4; ++kt) {
-    const int s = __shfl_sync(0xffffffffu, slot, key_token(kt, gid));
-    load_words<S::KWORDS>(p.kc + ((uint32_t)s * p.code_stride + p.kcode), s >= 0, t.k[kt]);
-    const uint8_t* sp = p.ks + ((uint32_t)s * p.scale_stride + p.kscale);
-    if constexpr (D == 128) {
-      t.kscale[kt] = s >= 0 ? *reinterpret_cast<const uint16_t*>(sp) : 0u;
-    } else {
-      t.kscale[kt] = s >= 0 ? *sp : 0u;
-    }
+    const int tok = key_token(kt, gid);
+    load_shared<S::KWORDS>(stage + St::K + code_at<D>(tok, (D / 8) * tig), t.k[kt]);
+    const uint32_t at = stage + St::KS + (D / 16) * tok + (D / 64) * tig;
+    t.kscale[kt] = D == 128 ? load_shared_u16(at) : load_shared_u8(at);
   }
 #pragma unroll
   for (int vt = 0; vt < 8; ++vt) {
-    const int s = __shfl_sync(0xffffffffu, slot, value_token(vt, tig));
-    load_words<S::VWORDS>(p.vc + ((uint32_t)s * p.code_stride + p.vcode), s >= 0, t.v[vt]);
-    t.vscale[vt] = s >= 0 ? p.vs[(uint32_t)s * p.scale_stride + p.vscale] : 0u;
+    const int tok = value_token(vt, tig);
+    load_shared<S::VWORDS>(stage + St::V + code_at<D>(tok, (D / 16) * gid), t.v[vt]);
+    t.vscale[vt] = load_shared_u8(stage + St::VS + (D / 16) * tok + (D * gid) / 128);
   }
-  t.lane_ok = slot >= 0 && p.valid[slot] != 0;
+  t.lane_ok = live && load_shared_u8(stage + St::VALID + lane) != 0;
 }
 
 // The block of the lane's token t (-1 beyond end): loaded a tile ahead of its use, so that the
@@ -270,8 +341,8 @@ __device__ __forceinline__ void attend_tile(const Tile<D>& t, State<D>& st, cons
   }
 }
 
-template <int D, typename T, int MIN_BLOCKS>
-__global__ void __launch_bounds__(32, MIN_BLOCKS) nvfp4_partial_kernel(
+template <int D, typename T>
+__global__ void __launch_bounds__(32) nvfp4_partial_kernel(
     const T* __restrict__ q, float* __restrict__ part, float* __restrict__ lse, const int64_t* __restrict__ table,
     const uint8_t* __restrict__ valid, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ ks,
     const float* __restrict__ khs, const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs,
@@ -322,27 +393,33 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) nvfp4_partial_kernel(
 #pragma unroll
   for (int r = 0; r < S::VTILES; ++r) st.acc[r][0] = st.acc[r][1] = st.acc[r][2] = st.acc[r][3] = 0.f;
 
-  Pools p{valid, kc, ks, vc, vs, (uint32_t)(H * S::ROW), (uint32_t)(H * S::BLOCKS),
-          (uint32_t)(head * S::ROW + (D / 8) * tig), (uint32_t)(head * S::BLOCKS + (D / 64) * tig),
-          (uint32_t)(head * S::ROW + (D / 16) * gid), (uint32_t)(head * S::BLOCKS + (D * gid) / 128)};
-  // Software pipeline over two tiles in turn (no copies between them): the codes of the next tile
-  // and the block table entries of the one after are in flight while a tile is computed.
-  Tile<D> ta, tb;
-  if (start < end)
-    load_tile<D>(ta, lane_slot(lane_block(table, row, W, BS, start + lane, end), BS, start + lane), p, gid, tig);
-  int64_t blk_ahead = lane_block(table, row, W, BS, start + TILE + lane, end);
-  for (int t0 = start; t0 < end; t0 += 2 * TILE) {
-    if (t0 + TILE < end) {
-      load_tile<D>(tb, lane_slot(blk_ahead, BS, t0 + TILE + lane), p, gid, tig);
-      blk_ahead = lane_block(table, row, W, BS, t0 + 2 * TILE + lane, end);
-    }
-    attend_tile<D>(ta, st, qf, key_scale, gid, tig);
-    if (t0 + TILE >= end) break;
-    if (t0 + 2 * TILE < end) {
-      load_tile<D>(ta, lane_slot(blk_ahead, BS, t0 + 2 * TILE + lane), p, gid, tig);
-      blk_ahead = lane_block(table, row, W, BS, t0 + 3 * TILE + lane, end);
-    }
-    attend_tile<D>(tb, st, qf, key_scale, gid, tig);
+  Pools p{valid, kc, ks, vc, vs, (uint32_t)(H * S::ROW), (uint32_t)(H * S::BLOCKS), (uint32_t)(head * S::ROW),
+          (uint32_t)(head * S::BLOCKS)};
+  // The ring: tile i is copied into stage i % STAGES, STAGES - 1 tiles ahead of its use; the
+  // block-table entries of the tile after the one being copied are loaded one step earlier still.
+  __shared__ __align__(128) uint8_t ring[STAGES][Stage<D>::BYTES];
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const int tiles = start < end ? cdiv(end - start, TILE) : 0;
+  int64_t blk = lane_block(table, row, W, BS, start + lane, end);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    const int t = start + i * TILE + lane;
+    const int slot = lane_slot(blk, BS, t);
+    blk = lane_block(table, row, W, BS, t + TILE, end);
+    if (i < tiles) issue_tile<D>(base + i * Stage<D>::BYTES, slot, p, lane);
+    commit_copies();
+  }
+  Tile<D> tile;
+  for (int i = 0; i < tiles; ++i) {
+    const int ahead = i + STAGES - 1, t = start + ahead * TILE + lane;
+    const int slot = lane_slot(blk, BS, t);
+    blk = lane_block(table, row, W, BS, t + TILE, end);
+    wait_copies<STAGES - 2>();  // this lane's copies of tile i have landed
+    __syncwarp();               // every lane's have, and every lane has read tile i - 1's stage
+    if (ahead < tiles) issue_tile<D>(base + (ahead % STAGES) * Stage<D>::BYTES, slot, p, lane);
+    commit_copies();
+    read_tile<D>(tile, base + (i % STAGES) * Stage<D>::BYTES, start + i * TILE + lane < end, gid, tig, lane);
+    attend_tile<D>(tile, st, qf, key_scale, gid, tig);
   }
 
   const float vscale = vhs[row * H + head] * 64.f;
@@ -368,7 +445,7 @@ __global__ void __launch_bounds__(32, MIN_BLOCKS) nvfp4_partial_kernel(
   }
 }
 
-template <int D, typename T, int MIN_BLOCKS>
+template <int D, typename T>
 void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const at::Tensor& table, const at::Tensor& valid,
             const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& khs, const at::Tensor& vc,
             const at::Tensor& vs, const at::Tensor& vhs, const c10::optional<at::Tensor>& extent, int64_t block_size,
@@ -376,7 +453,7 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const at::Te
   const int B = q.size(0), Hq = q.size(1), H = kc.size(1), W = table.size(1);
   dim3 grid(B * H, n_splits);
   auto stream = at::cuda::getCurrentCUDAStream();
-  nvfp4_partial_kernel<D, T, MIN_BLOCKS><<<grid, 32, 0, stream>>>(
+  nvfp4_partial_kernel<D, T><<<grid, 32, 0, stream>>>(
       reinterpret_cast<const T*>(q.data_ptr()), part.data_ptr<float>(), lse.data_ptr<float>(),
       table.data_ptr<int64_t>(), valid.data_ptr<uint8_t>(), kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(),
       khs.data_ptr<float>(), vc.data_ptr<uint8_t>(), vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(),
@@ -385,10 +462,10 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const at::Te
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int D, typename T, int MIN_BLOCKS>
+template <int D, typename T>
 int64_t resident() {
   int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_partial_kernel<D, T, MIN_BLOCKS>, 32, 0);
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_partial_kernel<D, T>, 32, 0));
   return n;
 }
 
@@ -397,24 +474,19 @@ int64_t resident() {
 void nvfp4_partial(at::Tensor q, at::Tensor part, at::Tensor lse, at::Tensor table, at::Tensor valid, at::Tensor kc,
                    at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
                    c10::optional<at::Tensor> extent, int64_t block_size, int64_t per_split, int64_t n_splits,
-                   int64_t first, int64_t total, double qk_scale, int64_t min_blocks) {
+                   int64_t first, int64_t total, double qk_scale) {
   const int64_t D = q.size(-1);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(D == 64 || D == 128, "nvfp4 partial kernel: head dim ", D, " not compiled; accepted: 64, 128");
-#define KVC_LAUNCH(DIM, TYPE, MINB) \
-  launch<DIM, TYPE, MINB>(q, part, lse, table, valid, kc, ks, khs, vc, vs, vhs, extent, block_size, per_split, \
-                          n_splits, first, total, qk_scale)
-#define KVC_TYPES(DIM, MINB) \
-  if (bf16) KVC_LAUNCH(DIM, __nv_bfloat16, MINB); else KVC_LAUNCH(DIM, __half, MINB)
-  if (D == 128 && min_blocks >= 10) { KVC_TYPES(128, 10); }
-  else if (D == 128) { KVC_TYPES(128, 1); }
-  else { KVC_TYPES(64, 1); }
-#undef KVC_TYPES
+#define KVC_LAUNCH(DIM, TYPE) \
+  launch<DIM, TYPE>(q, part, lse, table, valid, kc, ks, khs, vc, vs, vhs, extent, block_size, per_split, n_splits, \
+                    first, total, qk_scale)
+  if (D == 128) { if (bf16) KVC_LAUNCH(128, __nv_bfloat16); else KVC_LAUNCH(128, __half); }
+  else { if (bf16) KVC_LAUNCH(64, __nv_bfloat16); else KVC_LAUNCH(64, __half); }
 #undef KVC_LAUNCH
 }
 
-int64_t nvfp4_resident(int64_t D, bool bf16, int64_t min_blocks) {
-  if (D == 128 && min_blocks >= 10) return bf16 ? resident<128, __nv_bfloat16, 10>() : resident<128, __half, 10>();
-  if (D == 128) return bf16 ? resident<128, __nv_bfloat16, 1>() : resident<128, __half, 1>();
-  return bf16 ? resident<64, __nv_bfloat16, 1>() : resident<64, __half, 1>();
+int64_t nvfp4_resident(int64_t D, bool bf16) {
+  if (D == 128) return bf16 ? resident<128, __nv_bfloat16>() : resident<128, __half>();
+  return bf16 ? resident<64, __nv_bfloat16>() : resident<64, __half>();
 }

@@ -1,0 +1,93 @@
+"""Where the CUDA NVFP4 decode kernel's time goes: variants of ``native_nvfp4.cu`` side by side.
+
+Each variant is the kernel's source with one text substitution (more stages in the shared-memory
+ring, or a part of the decode replaced by a cheaper stand-in that gives wrong numbers), built under
+its own name and timed on the NVFP4 pool of :mod:`bench_attention_gpu`.
+A stand-in that speeds the kernel up a lot names the part worth rewriting. A development tool:
+results go to stdout only, and the stand-ins' outputs are not checked.
+
+    python benchmarks/tools/probe_native_gpu.py --variants base stages3 no_cvt no_scale no_decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness and the attention benchmark
+
+import bench_attention_gpu as bench  # noqa: E402
+from harness.timing import copy_tbps, graph_ms  # noqa: E402
+
+from kvcompose.ops.paged_attention import bytes_read, native, paged_decode_attention  # noqa: E402
+
+CVT = [f'"cvt.rn.f16x2.e4m3x2 %{i}, {r};\\n"' for i, r in enumerate(("l0", "l1", "h0", "h1"))]
+MUL = [f'"mul.rn.f16x2 %{i}, %{i}, %5;\\n"' for i in range(4)]
+#: variant -> [(text, replacement)] applied to the kernel's source
+VARIANTS = {
+    "base": [],
+    "stages3": [("constexpr int STAGES = 2;", "constexpr int STAGES = 3;")],
+    "no_cvt": [(c, f'"mov.b32 %{i}, {{{r}, {r}}};\\n"') for c, (i, r) in
+               zip(CVT, enumerate(("l0", "l1", "h0", "h1")))],
+    "no_scale": [(m, "") for m in MUL],
+    "no_decode": [("void fp4_word(uint32_t w, uint32_t s2, uint32_t* out) {",
+                   "void fp4_word(uint32_t w, uint32_t s2, uint32_t* out) {\n  out[0] = w ^ s2; out[1] = w + s2; "
+                   "out[2] = w - s2; out[3] = w | s2; return;")],
+}
+
+
+#: Substitutions of every variant: only the bf16 head-dim-128 kernel is compiled (a quarter of the build time).
+ONLY_BF16_128 = [
+    ("else KVC_LAUNCH(128, __half);", 'else TORCH_CHECK(false, "probe: bf16 only");'),
+    ("else { if (bf16) KVC_LAUNCH(64, __nv_bfloat16); else KVC_LAUNCH(64, __half); }",
+     'else TORCH_CHECK(false, "probe: head dim 128 only");'),
+    ("if (D == 128) return bf16 ? resident<128, __nv_bfloat16>() : resident<128, __half>();\n"
+     "  return bf16 ? resident<64, __nv_bfloat16>() : resident<64, __half>();",
+     "return resident<128, __nv_bfloat16>();"),
+]
+
+
+def build(name: str):
+    from torch.utils import cpp_extension
+
+    source = native.SOURCE.read_text()
+    for old, new in VARIANTS[name] + ONLY_BF16_128:
+        if old not in source:
+            raise SystemExit(f"variant {name}: {old!r} not found in {native.SOURCE.name}")
+        source = source.replace(old, new)
+    return cpp_extension.load_inline(name=f"kvcompose_probe_{name}", cpp_sources=native._DECLARATIONS,
+                                     cuda_sources=source, functions=["nvfp4_partial", "nvfp4_resident"],
+                                     extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--shapes", nargs="*", default=["16x8192x128", "64x4096x128", "256x1024x128"])
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    copy = copy_tbps("cuda")
+    print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    data = {}
+    for b, l, d in shapes:
+        q = torch.randn(b, bench.Q_HEADS, 1, d, device="cuda", dtype=torch.bfloat16)
+        sources = bench.build("nvfp4", b, l, "cuda", d)
+        data[(b, l, d)] = (q, sources, bytes_read(sources, q))
+    for name in args.variants:
+        native._STATE[0] = (build(name), f"probe variant {name}")
+        native.resident_programs.cache_clear()
+        cells = []
+        for (b, l, d), (q, sources, nbytes) in data.items():
+            ms = graph_ms(lambda: paged_decode_attention(q, sources, d ** -0.5, backend="cuda"), args.repeats)
+            cells.append(f"{b}x{l}x{d}={ms * 1e3:.1f}us {nbytes / ms / 1e9 / copy:.0%}"
+                         f"/p{native.resident_programs(0, d, True)}")
+        print(f"{name:10s} " + "  ".join(cells), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
