@@ -395,9 +395,11 @@ def decode_profile(lines: list[str]) -> None:
               f"`benchmarks/profile_decode.py`: GPU time per decode step by kernel (torch.profiler), batch "
               f"{r0['batch']}, prompt {r0['prompt']}, {r0['steps']} decode steps (a run of that many more steps "
               "minus a short one), the static-shape path without CUDA graphs (the kernels a replayed graph runs), "
-              "random Llama-3-8B-shaped weights in bf16. `nvjet_*` are cuBLAS GEMMs (the weights), "
-              "`_paged_partial_kernel` the fused attention, the `at::native` kernels mostly the model's own "
-              "RMSNorm, rotary, SiLU and residual code. " + data.get("notes", ""), ""]
+              "random Llama-3-8B-shaped weights in bf16, the decoder layers fused as `fast_generate` runs them on CUDA. `nvjet_*` "
+              "and `splitKreduce` are cuBLAS GEMMs (the weights), `_paged_partial_kernel` and "
+              "`nvfp4_partial_kernel` the fused attention, `triton_*` the decoder layers' fused norms, rotary, "
+              "SiLU and residual sums, the `at::native` kernels the cache's bookkeeping and what runs outside "
+              "the fused layers. " + data.get("notes", ""), ""]
     replayed = all(r.get("replay_ms_per_step") is not None for r in recs)
     totals = [[r["policy"], f"{r['ms_per_step']:.2f}"] + ([f"{r['replay_ms_per_step']:.2f}"] if replayed else [])
               for r in recs]
