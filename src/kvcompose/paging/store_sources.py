@@ -19,8 +19,9 @@ class StoreSources:
 
     def attention_sources(self) -> list[PagedSource]:
         """The layer's tokens where they lie, for :func:`~kvcompose.ops.paged_decode_attention`:
-        one source per region (regions may share a pool), then the recent buffer, each with its pool's decoded copy where it keeps one. Nothing is
-        copied or decoded; no host synchronization."""
+        one source per region (regions may share a pool), then the recent buffer, each with its
+        pool's decoded copy where it keeps one. Nothing is copied or decoded; no host
+        synchronization."""
         return [source for source, _, _ in self._sources()]
 
     def attention_sources_with(self, channel: str) -> tuple[list[PagedSource], list[torch.Tensor]]:
