@@ -232,3 +232,21 @@ def test_regions_sharing_a_pool_are_sources_of_their_own_bounded_by_what_they_wr
     ref = paged_decode_attention(query, sources, 0.125, backend="torch")
     out = paged_decode_attention(query, sources, 0.125, backend="triton")
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_the_attention_reads_second_level_scales_kept_up_to_date_not_computed_per_step():
+    """A decode step computes no head scale: the sources carry the store's own tensors (the same
+    objects at every call), which change in place when a row first encodes into a pool, and hold
+    its row scale times the format's unit scale."""
+    store = make_store("thinkv")
+    kept = {id(t) for d in store.attention_scales.values() for t in d.values()}
+    for seed in range(3):  # classes drawn at random: rows reach each pool at different appends
+        append(store, 40, seed=seed)
+        sources = [s for s in store.attention_sources() if s.key.head_scale is not None]
+        assert sources and {id(s.key.head_scale) for s in sources} | {id(s.value.head_scale) for s in sources} <= kept
+        for name, pool in store.pools.items():
+            unit = {p: next(v for k, v in pool.codec.layout[role].values() if k == "head")
+                    for role, p in (("key", "k"), ("value", "v"))}
+            for prefix, scales in store.attention_scales[name].items():
+                torch.testing.assert_close(scales, store.row_scales[name][prefix] * unit[prefix])
+    assert all(bool(t.gt(0).all()) for d in store.attention_scales.values() for t in d.values())

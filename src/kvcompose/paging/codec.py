@@ -38,11 +38,11 @@ class SlotCodec:
         (``dtype``: what quantized formats decode to; stored dense tensors come back as they are)."""
         raise NotImplementedError  # pragma: no cover - interface
 
-    def kv_operands(self, slots: dict, groups: dict, row_scales: dict) -> tuple[KVOperand, KVOperand]:
+    def kv_operands(self, slots: dict, groups: dict, scales: dict) -> tuple[KVOperand, KVOperand]:
         """Keys and values of a whole pool as the decode-attention op reads them in place.
 
-        ``slots``/``groups``: the pool's flat per-slot and per-group tensors; ``row_scales``:
-        the store's per-sequence scales of this format (``{"k": [B, H], "v": [B, H]}``).
+        ``slots``/``groups``: the pool's flat per-slot and per-group tensors; ``scales``: what
+        :meth:`attention_scales` made of the store's per-sequence scales of this format.
         A third-party codec that does not say gets an error naming it (no silent dense fallback)."""
         raise TypeError(f"storage format {type(self).__name__} ({self.name!r}) does not define kv_operands, so the "
                         "fused decode attention cannot read it; implement it, or make caches with fused_attention=False")
@@ -64,6 +64,12 @@ class SlotCodec:
         """Per-sequence scales ``[B, H]`` from the ``sel``-selected first tokens of each row (``[B, N, H, D]``)."""
         return {}
 
+    def attention_scales(self, row_scales: dict) -> dict[str, torch.Tensor]:
+        """What :meth:`kv_operands` reads of the per-sequence scales (``{name: [B, H]}``); default:
+        the scales themselves. The store computes it only when row scales change (a row's first
+        encode), not at every decode step, so that work here costs no kernel per step."""
+        return row_scales
+
 
 class DenseCodec(SlotCodec):
     """The model's own dtype, unchanged (bf16/fp16/fp32)."""
@@ -81,5 +87,5 @@ class DenseCodec(SlotCodec):
     def decode(self, slots, blocks, row_scales, dtype=None):
         return slots["k"], slots["v"]
 
-    def kv_operands(self, slots, groups, row_scales):
+    def kv_operands(self, slots, groups, scales):
         return KVOperand("dense", slots["k"]), KVOperand("dense", slots["v"])

@@ -215,7 +215,7 @@ def decoded_slots(codec: SlotCodec, slots: dict, groups: dict, token_scales: dic
     ``groups`` as :meth:`SlotCodec.encode` returns them, ``token_scales`` each token's row
     scales ``[M, H]``): decoded by the attention's own reference decode, so the copy holds
     bit for bit what decoding the codes at attention time gives."""
-    key, value = codec.kv_operands(slots, groups, token_scales)
+    key, value = codec.kv_operands(slots, groups, codec.attention_scales(token_scales))
     at = torch.arange(key.codes.shape[0], device=key.codes.device)  # token i is slot i and its own row
     return {DECODED[0]: decode_operand_torch(key, at, at, dtype),
             DECODED[1]: decode_operand_torch(value, at, at, dtype)}

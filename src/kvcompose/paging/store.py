@@ -110,6 +110,8 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             for name, p in pools.items()
         }
         self.row_scales_set = {name: torch.zeros(batch_size, dtype=torch.bool, device=device) for name in pools}
+        # What the attention reads of them (SlotCodec.attention_scales), updated in place where they change.
+        self.attention_scales = {name: p.codec.attention_scales(self.row_scales[name]) for name, p in pools.items()}
         # The buffer's most: one slot more than it ever keeps between appends, since a
         # static-shape decode step writes its token before the oldest group leaves (see
         # append_step). The eager path grows it a block at a time as tokens arrive.
@@ -208,6 +210,8 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             for name, t in fresh.items():
                 store[name].copy_(torch.where(first[:, None], t, store[name]))
             self.row_scales_set[pool_name] |= first
+            for name, t in codec.attention_scales(store).items():
+                self.attention_scales[pool_name][name].copy_(t)
         rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(sel)
         if not aligned:
             return {name: t[rows[sel]] for name, t in store.items()}

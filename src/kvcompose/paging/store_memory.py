@@ -77,7 +77,8 @@ class StoreMemory:
         block = {id(p): ((at_width(p.payload_bytes_per_block) if follows_model(p) else p.payload_bytes_per_block),
                          p.meta_bytes_per_block) for p in self.pools.values()}
         tables = sum(r.table_bytes for r in self.regions)
-        tables += sum(t.numel() * t.element_size() for s in self.row_scales.values() for t in s.values())
+        scales = {id(t): t for d in (*self.row_scales.values(), *self.attention_scales.values()) for t in d.values()}
+        tables += sum(t.numel() * t.element_size() for t in scales.values())
         return {
             "block": block, "tables": tables,
             "buffer": at_width(2 * self.buf_k.numel() * held),

@@ -48,7 +48,7 @@ class StoreSources:
                 continue
             meta = pool.flat_slots(pool.meta)
             slots = pool.flat_slots(pool.slots)
-            k, v = pool.codec.kv_operands(slots, pool.flat_groups(), self.row_scales[name])
+            k, v = pool.codec.kv_operands(slots, pool.flat_groups(), self.attention_scales[name])
             decoded = (slots[DECODED[0]], slots[DECODED[1]]) if pool.decoded else None
             out += [(PagedSource(k, v, table, pool.block_size, meta["valid"], decoded, extent), meta, pool)
                     for table, extent in tables]

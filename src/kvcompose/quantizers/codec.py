@@ -126,8 +126,15 @@ class QuantCodec(SlotCodec):
         unit = next(v for k, v in fields.values() if k == "head").to(device)
         return row_scales[prefix].to(device=device, dtype=torch.float32) * unit
 
-    def kv_operands(self, slots, groups, row_scales):
-        """The pool's codes and scales for in-place decode attention (no copy, no decode)."""
+    def attention_scales(self, row_scales):
+        """The second-level scales ``[B, H]`` of each row's keys and values: its ``A`` times the
+        format's unit scale (the products :meth:`kv_operands` hands the attention)."""
+        return {prefix: self._token_scales(self.layout[role], row_scales, prefix, row_scales[prefix].device)
+                for role, prefix in (("key", "k"), ("value", "v")) if prefix in row_scales}
+
+    def kv_operands(self, slots, groups, scales):
+        """The pool's codes and scales for in-place decode attention (no copy, no decode);
+        ``scales``: :meth:`attention_scales` of the store's row scales."""
         out = []
         for role in ("key", "value"):
             prefix = role[0]
@@ -135,7 +142,7 @@ class QuantCodec(SlotCodec):
             t = {name: (slots if kind == "slot" else groups)[f"{prefix}.{name}"]
                  for name, (kind, _) in fields.items() if kind in ("slot", "group")}
             codes = t["codes"]
-            head = self._token_scales(fields, row_scales, prefix, codes.device) if self.two_level else None
+            head = scales[prefix] if self.two_level else None
             out.append(KVOperand(
                 self.quantizer.attention_format(role), codes, scale=t.get("block_scales", t.get("scale")),
                 minimum=t.get("minimum"), head_scale=head, bits=getattr(self.quantizer, "bits", 0),
