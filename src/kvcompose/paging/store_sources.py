@@ -30,28 +30,23 @@ class StoreSources:
         parts = self._sources()
         return [source for source, _, _ in parts], [meta[channel] for _, meta, _ in parts]
 
-    def _pool_tables(self, pool: BlockPool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The block tables of the regions that share ``pool``, each with the columns its rows have
-        written (the attention's loops stop there), in region order. Each region stays a source of
-        its own: a table of regions side by side would make the kernels read every region over its
-        whole reservation (ThinKV's R and E share one NVFP4 pool, and each reserves room for the
-        prompt), and gluing the tables costs a copy per layer and step."""
-        return [(r.table, r.length) for r in self.regions if r.pool is pool]
-
     def _sources(self) -> list[tuple[PagedSource, dict, BlockPool | None]]:
         """``(source, its flat per-slot metadata channels, its pool or None for the buffer)``
         in :meth:`attention_sources` order."""
         out = []
         for name, pool in self.pools.items():
-            tables = [(t, extent) for t, extent in self._pool_tables(pool) if t.shape[1]]
-            if not tables:
+            # Each region is a source of its own, bounded by the columns its rows have written:
+            # regions side by side in one table would be read over their whole reservation
+            # (ThinKV's R and E share one NVFP4 pool, and each reserves room for the prompt).
+            regions = [r for r in self.regions if r.pool is pool and r.table.shape[1]]
+            if not regions:
                 continue
             meta = pool.flat_slots(pool.meta)
             slots = pool.flat_slots(pool.slots)
             k, v = pool.codec.kv_operands(slots, pool.flat_groups(), self.attention_scales[name])
             decoded = (slots[DECODED[0]], slots[DECODED[1]]) if pool.decoded else None
-            out += [(PagedSource(k, v, table, pool.block_size, meta["valid"], decoded, extent), meta, pool)
-                    for table, extent in tables]
+            out += [(PagedSource(k, v, r.table, pool.block_size, meta["valid"], decoded, r.length), meta, pool)
+                    for r in regions]
         B, cap = self.buf_k.shape[:2]
         if cap:
             flat = (B * cap, self.num_kv_heads, self.head_dim)
