@@ -142,8 +142,8 @@ struct Pools {
 // One stage of a program's shared-memory ring: a tile as it lies in the pools, copied by cp.async
 // while the tile before it is computed (the copies hold no registers). Per operand the tile's
 // code rows [TILE][D / 2], then per operand its block scales [TILE][D / 16], then TILE validity
-// bytes. Measured on an H200 (16 x 8K, 64 x 4K, 256 x 1K, head dim 128): 48-54% of the copy
-// bandwidth, against 42-46% when the next tile waited in registers. Three stages were slower
+// bytes. On an H200 (16 x 8K, 64 x 4K, 256 x 1K, head dim 128; benchmarks/results/attention_gpu.json):
+// 51-57% of the copy bandwidth, against 42-46% when the next tile waited in registers. Three stages were slower
 // (fewer programs per SM), and so were programs of two to eight heads copying each slot's codes
 // whole. With the decoding replaced by a stand-in (benchmarks/tools/probe_native_gpu.py) the loop
 // is no faster: the products, the softmax and the reads of the stage hold it at this level.
