@@ -1,0 +1,77 @@
+"""Stacked sibling projections (kvcompose.hf.projections): one product per group while fused
+layers run, the same outputs, no extra weight memory, and the model's own modules after."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from kvcompose.hf import projections
+
+
+def _storages(module: torch.nn.Module) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+
+def test_stand_ins_give_each_projection_its_own_output_from_one_stacked_weight():
+    model = tiny_model(layers=2)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x = torch.randn(3, 1, model.config.hidden_size)
+    expected = {name: getattr(attn, name)(x) for name in ("q_proj", "k_proj", "v_proj")}
+    expected |= {name: getattr(mlp, name)(x) for name in ("gate_proj", "up_proj")}
+    originals = {name: getattr(attn, name) for name in ("q_proj", "k_proj", "v_proj")}
+    with torch.inference_mode(), projections.stacked_projections(model.model.layers):
+        assert isinstance(attn.q_proj, projections.ProjectionSlice)
+        for name, out in expected.items():
+            parent = attn if name in originals else mlp
+            torch.testing.assert_close(getattr(parent, name)(x), out, rtol=1e-6, atol=1e-6)
+        # the originals' weights are slices of the stacked one: one storage per group, none copied
+        stacked = attn.q_proj.stacked.weight
+        assert {m.weight.untyped_storage().data_ptr() for m in originals.values()} == {
+            stacked.untyped_storage().data_ptr()}
+    assert all(getattr(attn, name) is module for name, module in originals.items())
+    assert len(_storages(attn)) == 4  # q, k, v and o each own their storage again
+    for name, out in expected.items():
+        parent = attn if name in originals else mlp
+        assert not getattr(parent, name).weight.is_inference()  # stacked and restored outside inference mode
+        torch.testing.assert_close(getattr(parent, name)(x), out, rtol=0, atol=0)
+
+
+def test_modules_are_restored_when_the_block_fails():
+    model = tiny_model(layers=1)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    with pytest.raises(RuntimeError, match="boom"):
+        with projections.stacked_projections(model.model.layers):
+            raise RuntimeError("boom")
+    assert model.model.layers[0].self_attn.q_proj is q_proj
+
+
+def test_a_group_with_a_module_that_is_not_a_plain_linear_is_left_apart():
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = tiny_model(layers=1)
+    attn = model.model.layers[0].self_attn
+    scaled = Scaled(attn.k_proj.in_features, attn.k_proj.out_features, bias=False)
+    attn.k_proj = scaled
+    groups = [names for _, names in projections.stackable_groups(model.model.layers[0])]
+    assert groups == [("gate_proj", "up_proj")]
+    with projections.stacked_projections(model.model.layers):
+        assert attn.k_proj is scaled and isinstance(attn.q_proj, torch.nn.Linear)
+
+
+def test_repeated_products_are_merged_and_others_kept():
+    def step(x, w, other):  # weights as inputs, as the traced layers receive them
+        a = torch.nn.functional.linear(x, w)[..., :2]
+        b = torch.nn.functional.linear(x, w)[..., 2:]
+        c = torch.nn.functional.linear(x, other)
+        return a.sum() + b.sum() + c.sum()
+
+    graph_module = torch.fx.symbolic_trace(step)
+    inputs = torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4)
+    expected = step(*inputs)
+    assert projections.deduplicate_products(graph_module.graph) == 1
+    graph_module.recompile()
+    linears = [n for n in graph_module.graph.nodes if n.target in projections.PRODUCTS]
+    assert len(linears) == 2
+    torch.testing.assert_close(graph_module(*inputs), expected)
