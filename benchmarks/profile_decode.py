@@ -6,6 +6,8 @@ aims at the largest part. Per policy, at one batch:
 - **kernels**: GPU time per decode step by kernel, from ``torch.profiler``: a run of
   ``--new-tokens`` more steps than a short one, minus the short one (the static-shape path
   without CUDA graphs: the kernels are those a replayed graph runs; only launches differ).
+  Also the launches per step and per decoder layer (every kernel of the step, the model's
+  head included, over the layer count).
 - **replayed step**: the GPU time of one replayed plain step with CUDA graphs; beyond the
   kernels' own time it holds the gaps between them.
 - **memory**: above the weights, the peak of a prefill-only run, the peak of the decode run
@@ -129,12 +131,14 @@ def main(argv=None) -> int:
         fast_generate(model, policy.make_cache(model), ids, mask, 8)  # compile every kernel first
         kernels = kernel_times(model, policy, ids, mask, args.new_tokens)
         total = sum(us for _, us in kernels.values())
+        calls = sum(c for c, _ in kernels.values())
+        layers = model.config.num_hidden_layers
         top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]
         rows = [[k[:70], f"{c:.1f}", f"{us:.1f}", f"{100 * us / total:.1f}"] for k, (c, us) in top]
         rest = total - sum(us for _, (_, us) in top)
         rows.append(["(the rest)", "", f"{rest:.1f}", f"{100 * rest / max(total, 1e-9):.1f}"])
         print(f"\n{name}, batch {args.batch}: {total / 1e3:.2f} ms of {'kernels' if device == 'cuda' else 'CPU operators'}"
-              " per decode step", flush=True)
+              f" per decode step, {calls:.0f} launches ({calls / layers:.1f} per layer)", flush=True)
         print(format_table(["kernel" if device == "cuda" else "operator", "calls/step", "us/step", "%"], rows))
         replay = replayed_step_ms(model, policy, ids, mask, args.new_tokens)
         if replay is not None:
@@ -143,7 +147,8 @@ def main(argv=None) -> int:
         if mem:
             print(" ".join(f"{k} {v:.2f}" for k, v in mem.items()), flush=True)
         records.append({"policy": name, "batch": args.batch, "prompt": prompt, "steps": args.new_tokens,
-                        "ms_per_step": total / 1e3, "memory": mem,
+                        "ms_per_step": total / 1e3, "memory": mem, "launches_per_step": calls,
+                        "launches_per_layer": calls / layers,
                         **({} if replay is None else {"replay_ms_per_step": replay}),
                         "kernels": [{"name": k, "calls_per_step": c, "us_per_step": us} for k, (c, us) in top]})
         if log is not None:  # after every policy: a run cut off by a time limit keeps what it measured
