@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvcompose.ops.paged_attention import native, paged_decode_attention, paged_decode_attention_torch
-from kvcompose.ops.paged_attention.launch import _native_plans
+from kvcompose.ops.paged_attention import PagedSource
+from kvcompose.ops.paged_attention.launch import _native_plans, native_groups
 
 from test_paged_attention import check_extent, make_source
 
@@ -23,6 +24,30 @@ def test_native_kernel_takes_only_nvfp4_pools_it_was_written_for():
 def test_cpu_steps_never_plan_the_native_kernel():
     query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
     assert _native_plans(query, [make_source("nvfp4", [20, 3], 2, 128)], False, "auto") == (None, {}, 0)
+
+
+def regions(src, cuts, extents=None):
+    """``src``'s block table cut at the given columns into regions of one pool (as ThinKV's R and
+    E regions share one): together they hold exactly ``src``'s tokens."""
+    edges = [0, *cuts, src.table.shape[1]]
+    out = []
+    for i, (a, b) in enumerate(zip(edges, edges[1:])):
+        extent = None if extents is None else torch.as_tensor(extents[i], device=src.table.device)
+        out.append(PagedSource(src.key, src.value, src.table[:, a:b].contiguous(), src.block_size, src.valid,
+                               extent=extent))
+    return out
+
+
+def test_regions_of_one_pool_share_a_launch_and_other_pools_do_not():
+    src = make_source("nvfp4", [300, 40, 129], 2, 128)
+    other = make_source("nvfp4", [30, 4, 12], 2, 128, seed=2)
+    parts = regions(src, [2, 4, 6, 8, 10])  # six regions: a launch takes four
+    sources = [parts[0], other, *parts[1:]]
+    plans = {i: (10 * i, 32, 2) for i in range(len(sources))}
+    groups = native_groups(plans, sources)
+    at = {id(s): i for i, s in enumerate(sources)}
+    assert [[at[id(s)] for s, *_ in g] for g in groups] == [[0, 2, 3, 4], [5, 6], [1]]
+    assert groups[0][1][0] is sources[2] and groups[0][1][1:] == (20, 32, 2)
 
 
 def test_backend_cuda_says_why_it_cannot_run():
@@ -96,3 +121,22 @@ def test_cuda_native_kernel_replays_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 8)])
+def test_cuda_native_kernel_reads_regions_of_one_pool_in_one_launch(head_dim, group):
+    """The regions' tables split the pool's rows at different columns (empty regions and rows
+    included); their extents bound each; five regions take two launches."""
+    lengths = [1000, 0, 37, 300, 1]
+    src = make_source("nvfp4", lengths, 2, head_dim, holes=True, seed=7, device="cuda")
+    query = torch.randn(len(lengths), 2 * group, 1, head_dim, device="cuda").to(torch.bfloat16)
+    buffer = make_source("dense", [3, 0, 15, 1, 0], 2, head_dim, bs=15, seed=9, device="cuda")
+    for cuts in ([10], [3, 20, 40], [1, 2, 5, 30]):
+        parts = regions(src, cuts)
+        plans = _native_plans(query, parts, False, "cuda")[1]
+        assert len(native_groups(plans, parts)) == (1 if len(parts) <= native.MAX_REGIONS else 2)
+        check_native(query, parts + [buffer])
+    bs, tokens = src.block_size, src.table.shape[1] * src.block_size
+    extents = [[min(n, 10 * bs) for n in lengths], [max(0, min(n, tokens) - 10 * bs) for n in lengths]]
+    check_native(query, regions(src, [10], extents) + [buffer])

@@ -132,8 +132,8 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str =
     part = torch.empty(B, Hq, total, D, dtype=torch.float32, device=device)
     lse = torch.empty(B, Hq, total, dtype=torch.float32, device=device)  # every split writes its own
     logits = torch.empty(B, Hq, cols if scores else 1, device=device)  # the splits cover every column
-    for i, (at, per, n) in native_plans.items():
-        native_kernel.launch_partial(built, q, sources[i], part, lse, at, total, scaling * LOG2E, per, n)
+    for group in native_groups(native_plans, sources):
+        native_kernel.launch_partial(built, q, group, part, lse, total, scaling * LOG2E)
     if rest:
         _paged_partial_kernel[(B * H, programs)](q, part, lse, logits, total, cols, scaling * LOG2E, tuples, **kwargs)
     out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
@@ -179,6 +179,18 @@ def _native_plans(q: torch.Tensor, sources: list[PagedSource], scores: bool, nat
         plans[i] = (first, per, n)
         first += n
     return built, plans, first
+
+
+def native_groups(plans: dict, sources: list[PagedSource]) -> list[list[tuple]]:
+    """The CUDA kernel's launches: the planned sources of one pool together (at most
+    ``MAX_REGIONS`` each), as ``(source, first partial result, tokens per split, splits)``."""
+    groups: dict[tuple, list[list[tuple]]] = {}
+    for i, (first, per, n) in plans.items():
+        launches = groups.setdefault(native_kernel.pool_of(sources[i]), [[]])
+        if len(launches[-1]) == native_kernel.MAX_REGIONS:
+            launches.append([])
+        launches[-1].append((sources[i], first, per, n))
+    return [launch for launches in groups.values() for launch in launches]
 
 
 def _plan_launch(q: torch.Tensor, sources: list[PagedSource], args: list[tuple], consts: dict,

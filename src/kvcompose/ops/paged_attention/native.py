@@ -108,12 +108,14 @@ def _build(index: int):
 
 
 _DECLARATIONS = """
-void nvfp4_partial(at::Tensor q, at::Tensor part, at::Tensor lse, at::Tensor table, at::Tensor valid, at::Tensor kc,
-                   at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
-                   c10::optional<at::Tensor> extent, int64_t block_size, int64_t per_split, int64_t n_splits,
-                   int64_t first, int64_t total, double qk_scale);
+void nvfp4_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<at::Tensor> tables, at::Tensor valid,
+                   at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
+                   std::vector<at::Tensor> extents, int64_t block_size, std::vector<int64_t> per_split,
+                   std::vector<int64_t> n_splits, std::vector<int64_t> first, int64_t total, double qk_scale);
 int64_t nvfp4_resident(int64_t D, bool bf16);
 """
+#: Regions one launch reads at most (``MAX_REGIONS`` of the ``.cu`` file).
+MAX_REGIONS = 4
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,12 +124,26 @@ def resident_programs(device_index: int, head_dim: int, bf16: bool) -> int:
     return max(1, int(_STATE[device_index][0].nvfp4_resident(head_dim, bf16)))
 
 
-def launch_partial(built, q: torch.Tensor, src: PagedSource, part: torch.Tensor, lse: torch.Tensor, first: int,
-                   total: int, qk_scale: float, per_split: int, n_splits: int) -> None:
-    """One launch over ``src``: ``n_splits`` programs per (row, KV head), written as partial
-    results ``first ..`` of ``total`` (the Triton merge's layout)."""
+def pool_of(src: PagedSource) -> tuple:
+    """What sources must share to be read by one launch: their pool's tensors (codes, scales,
+    second-level scales, validity) and block size. Regions of one pool differ only in their
+    block tables and extents."""
     key, value = src.key, src.value
-    built.nvfp4_partial(q, part, lse, src.table.contiguous(), src.valid.view(torch.uint8), key.codes, key.scale,
-                        key.head_scale.float().contiguous(), value.codes, value.scale,
-                        value.head_scale.float().contiguous(), src.extent, src.block_size, per_split, n_splits,
-                        first, total, qk_scale)
+    tensors = (src.valid, key.codes, key.scale, key.head_scale, value.codes, value.scale, value.head_scale)
+    return tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride())) for t in tensors) + (src.block_size,)
+
+
+def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int, int, int]], part: torch.Tensor,
+                   lse: torch.Tensor, total: int, qk_scale: float) -> None:
+    """One launch over ``regions`` of one pool (:func:`pool_of`), each given as ``(source, first
+    partial result, tokens per split, splits)``: its splits run as programs per (row, KV head),
+    written as partial results ``first ..`` of ``total`` (the Triton merge's layout)."""
+    src = regions[0][0]
+    key, value = src.key, src.value
+    none = torch.empty(0, dtype=torch.int64, device=q.device)
+    built.nvfp4_partial(q, part, lse, [s.table.contiguous() for s, *_ in regions], src.valid.view(torch.uint8),
+                        key.codes, key.scale, key.head_scale.float().contiguous(), value.codes, value.scale,
+                        value.head_scale.float().contiguous(),
+                        [none if s.extent is None else s.extent for s, *_ in regions], src.block_size,
+                        [per for _, _, per, _ in regions], [n for *_, n in regions],
+                        [first for _, first, _, _ in regions], total, qk_scale)

@@ -341,18 +341,40 @@ __device__ __forceinline__ void attend_tile(const Tile<D>& t, State<D>& st, cons
   }
 }
 
+// The regions of one pool that a launch reads (ThinKV's R and E share a pool): each has its own
+// block table, extent and splits; the programs of grid row y read region r where y falls in its
+// splits. One launch instead of one per region saves a launch and a partly filled last wave each.
+constexpr int MAX_REGIONS = 4;
+struct Regions {
+  const int64_t* table[MAX_REGIONS];
+  const int64_t* extent[MAX_REGIONS];  // nullptr: no extent
+  int W[MAX_REGIONS], per_split[MAX_REGIONS], n_splits[MAX_REGIONS], first[MAX_REGIONS];
+  int count;
+};
+
 template <int D, typename T>
 __global__ void __launch_bounds__(32) nvfp4_partial_kernel(
-    const T* __restrict__ q, float* __restrict__ part, float* __restrict__ lse, const int64_t* __restrict__ table,
-    const uint8_t* __restrict__ valid, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ ks,
-    const float* __restrict__ khs, const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs,
-    const float* __restrict__ vhs, const int64_t* __restrict__ extent, int H, int G, int W, int BS, int per_split,
-    int n_splits, int first, int total, float qk_scale) {
+    const T* __restrict__ q, float* __restrict__ part, float* __restrict__ lse, const uint8_t* __restrict__ valid,
+    const uint8_t* __restrict__ kc, const uint8_t* __restrict__ ks, const float* __restrict__ khs,
+    const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs, const float* __restrict__ vhs, const Regions R,
+    int H, int G, int BS, int total, float qk_scale) {
   using S = Shape<D>;
-  const int row = blockIdx.x / H, head = blockIdx.x % H, split = blockIdx.y;
+  const int row = blockIdx.x / H, head = blockIdx.x % H;
+  // The region of this program and its split within it (constant indices: the fields stay parameters).
+  const int64_t* table = R.table[0];
+  const int64_t* extent = R.extent[0];
+  int W = R.W[0], per = R.per_split[0], n_splits = R.n_splits[0], first = R.first[0], split = blockIdx.y;
+#pragma unroll
+  for (int r = 1; r < MAX_REGIONS; ++r) {
+    if (r < R.count && split >= n_splits) {
+      split -= n_splits;
+      table = R.table[r], extent = R.extent[r], W = R.W[r], per = R.per_split[r];
+      n_splits = R.n_splits[r], first = R.first[r];
+    }
+  }
   const int lane = threadIdx.x, gid = lane >> 2, tig = lane & 3;
   const int Hq = H * G;
-  int limit = W * BS, per = per_split;
+  int limit = W * BS;
   if (extent != nullptr) {
     limit = min((int)extent[row], limit);
     per = cdiv(cdiv(limit, n_splits), TILE) * TILE;
@@ -446,19 +468,33 @@ __global__ void __launch_bounds__(32) nvfp4_partial_kernel(
 }
 
 template <int D, typename T>
-void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const at::Tensor& table, const at::Tensor& valid,
-            const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& khs, const at::Tensor& vc,
-            const at::Tensor& vs, const at::Tensor& vhs, const c10::optional<at::Tensor>& extent, int64_t block_size,
-            int64_t per_split, int64_t n_splits, int64_t first, int64_t total, double qk_scale) {
-  const int B = q.size(0), Hq = q.size(1), H = kc.size(1), W = table.size(1);
-  dim3 grid(B * H, n_splits);
+void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::vector<at::Tensor>& tables,
+            const at::Tensor& valid, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& khs,
+            const at::Tensor& vc, const at::Tensor& vs, const at::Tensor& vhs, const std::vector<at::Tensor>& extents,
+            int64_t block_size, const std::vector<int64_t>& per_split, const std::vector<int64_t>& n_splits,
+            const std::vector<int64_t>& first, int64_t total, double qk_scale) {
+  const int count = tables.size();
+  TORCH_CHECK(count >= 1 && count <= MAX_REGIONS, "nvfp4 partial kernel: ", count, " regions; accepted: 1 to ",
+              MAX_REGIONS);
+  TORCH_CHECK(extents.size() == tables.size() && per_split.size() == tables.size() &&
+              n_splits.size() == tables.size() && first.size() == tables.size(),
+              "nvfp4 partial kernel: one extent, split length, split count and first result per region");
+  Regions R{};
+  int splits = 0;
+  for (int r = 0; r < count; ++r) {
+    R.table[r] = tables[r].data_ptr<int64_t>();
+    R.extent[r] = extents[r].numel() > 0 ? extents[r].data_ptr<int64_t>() : nullptr;
+    R.W[r] = tables[r].size(1), R.per_split[r] = per_split[r], R.n_splits[r] = n_splits[r], R.first[r] = first[r];
+    splits += n_splits[r];
+  }
+  R.count = count;
+  const int B = q.size(0), Hq = q.size(1), H = kc.size(1);
+  dim3 grid(B * H, splits);
   auto stream = at::cuda::getCurrentCUDAStream();
   nvfp4_partial_kernel<D, T><<<grid, 32, 0, stream>>>(
-      reinterpret_cast<const T*>(q.data_ptr()), part.data_ptr<float>(), lse.data_ptr<float>(),
-      table.data_ptr<int64_t>(), valid.data_ptr<uint8_t>(), kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(),
-      khs.data_ptr<float>(), vc.data_ptr<uint8_t>(), vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(),
-      extent.has_value() ? extent->data_ptr<int64_t>() : nullptr, H, Hq / H, W, (int)block_size, (int)per_split,
-      (int)n_splits, (int)first, (int)total, (float)qk_scale);
+      reinterpret_cast<const T*>(q.data_ptr()), part.data_ptr<float>(), lse.data_ptr<float>(), valid.data_ptr<uint8_t>(),
+      kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(), khs.data_ptr<float>(), vc.data_ptr<uint8_t>(),
+      vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(), R, H, Hq / H, (int)block_size, (int)total, (float)qk_scale);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -471,15 +507,15 @@ int64_t resident() {
 
 }  // namespace
 
-void nvfp4_partial(at::Tensor q, at::Tensor part, at::Tensor lse, at::Tensor table, at::Tensor valid, at::Tensor kc,
-                   at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
-                   c10::optional<at::Tensor> extent, int64_t block_size, int64_t per_split, int64_t n_splits,
-                   int64_t first, int64_t total, double qk_scale) {
+void nvfp4_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<at::Tensor> tables, at::Tensor valid,
+                   at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
+                   std::vector<at::Tensor> extents, int64_t block_size, std::vector<int64_t> per_split,
+                   std::vector<int64_t> n_splits, std::vector<int64_t> first, int64_t total, double qk_scale) {
   const int64_t D = q.size(-1);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(D == 64 || D == 128, "nvfp4 partial kernel: head dim ", D, " not compiled; accepted: 64, 128");
 #define KVC_LAUNCH(DIM, TYPE) \
-  launch<DIM, TYPE>(q, part, lse, table, valid, kc, ks, khs, vc, vs, vhs, extent, block_size, per_split, n_splits, \
+  launch<DIM, TYPE>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, extents, block_size, per_split, n_splits, \
                     first, total, qk_scale)
   if (D == 128) { if (bf16) KVC_LAUNCH(128, __nv_bfloat16); else KVC_LAUNCH(128, __half); }
   else { if (bf16) KVC_LAUNCH(64, __nv_bfloat16); else KVC_LAUNCH(64, __half); }
