@@ -6,7 +6,7 @@ import torch
 from conftest import SHORT_RUN_EVICTION, greedy, left_padded
 from kvcompose import Policy, registry
 from kvcompose.hf.static import fast_generate
-from kvcompose.rotations import rotate, unrotate
+from kvcompose.rotations import SignedProduct, rotate, unrotate
 from kvcompose.rotations.hadamard import hadamard_matrix
 
 
@@ -98,6 +98,8 @@ def test_bf16_rotation_multiplies_exactly_and_keeps_the_attention_scale():
     torch.testing.assert_close(logits[1], logits[0], atol=0.05, rtol=0.05)
     layer = cache.layers[0]
     forward, back, gain = getattr(layer, "runtime", layer).rotation_matrices
+    assert isinstance(forward, SignedProduct) and isinstance(back, SignedProduct)  # a sign flip and one product
+    forward, back = forward.dense(), back.dense()
     assert forward.dtype == torch.bfloat16 and set(forward.abs().unique().tolist()) == {1.0} and gain == 16.0
     torch.testing.assert_close(forward.float() @ back.float(), torch.eye(16).expand_as(forward), atol=0, rtol=0)
 
@@ -142,3 +144,30 @@ def test_cuda_static_decode_and_graphs_give_the_eager_tokens_with_rotation(prese
     cache = policy.make_cache(model)
     assert torch.equal(plain, fast_generate(model, cache, ids, mask, 40, graphs=True))
     assert cache.static_decoder.replays > 0
+
+
+@pytest.mark.parametrize("signs_first", [True, False])
+def test_a_signed_product_rotates_as_its_per_head_matrices(signs_first):
+    """GQA group 4 over 3 KV heads, prefill-shaped and decode-shaped inputs."""
+    g = torch.Generator().manual_seed(3)
+    signs = torch.randint(0, 2, (3, 8), generator=g).float() * 2 - 1
+    op = SignedProduct(signs, torch.randn(8, 8, generator=g), signs_first)
+    for L in (5, 1):
+        x = torch.randn(2, 12, L, 8, generator=g)
+        torch.testing.assert_close(rotate(x, op), rotate(x, op.dense()), atol=1e-5, rtol=1e-5)
+        expected = torch.einsum("bhgld,hde->bhgle", x.view(2, 3, 4, L, 8), op.dense()).reshape(2, 12, L, 8)
+        torch.testing.assert_close(rotate(x, op.dense()), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rotation_matrices_that_do_not_share_one_up_to_signs_stay_per_head():
+    from kvcompose.runtime.layer import _exact_form
+
+    q, _ = torch.linalg.qr(torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(0)))
+    forward, back, gain = _exact_form(q, torch.float32, "cpu")
+    assert not isinstance(forward, SignedProduct) and gain == 1.0
+    torch.testing.assert_close(forward @ back, torch.eye(8).expand(2, 8, 8), atol=1e-5, rtol=0)
+    h = hadamard_matrix(8)
+    permuted = torch.stack([h, h[:, torch.tensor([1, 0, 2, 3, 4, 5, 6, 7])]])  # ±1/sqrt(8), not one up to signs
+    forward, back, gain = _exact_form(permuted, torch.float32, "cpu")
+    assert not isinstance(forward, SignedProduct) and gain == 8.0
+    torch.testing.assert_close(forward @ back, torch.eye(8).expand(2, 8, 8), atol=0, rtol=0)

@@ -4,8 +4,8 @@ The contract and the helpers that apply a rotation are in :mod:`kvcompose.rotati
 each registered rotation has its own module.
 """
 
-from .base import Rotation, rotate, unrotate
+from .base import Rotation, SignedProduct, rotate, unrotate
 from .hadamard import HadamardRotation
 from .none import NoRotation
 
-__all__ = ["HadamardRotation", "NoRotation", "Rotation", "rotate", "unrotate"]
+__all__ = ["HadamardRotation", "NoRotation", "Rotation", "SignedProduct", "rotate", "unrotate"]

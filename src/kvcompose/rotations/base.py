@@ -13,6 +13,7 @@ attention path sees rotated keys and values without knowing it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -26,15 +27,45 @@ class Rotation(ABC):
         the right), or None for no rotation."""
 
 
-def rotate(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class SignedProduct:
+    """Per-KV-head matrices that share one ``matrix`` ``[D, D]`` up to signs ``[H, D]``:
+    ``diag(signs[h]) @ matrix`` (``signs_first``) or ``matrix @ diag(signs[h])``. A Hadamard
+    rotation with random signs has this form, and :func:`rotate` applies it as a sign flip of
+    each head's channels and one plain product over all rows: no per-head matrix is read, and
+    nothing is copied (a batched per-head product broadcasts its matrices over the batch)."""
+
+    signs: torch.Tensor
+    matrix: torch.Tensor
+    signs_first: bool
+
+    def dense(self) -> torch.Tensor:
+        """The ``[H, D, D]`` matrices this stands for."""
+        signs = self.signs[:, :, None] if self.signs_first else self.signs[:, None, :]
+        return signs * self.matrix
+
+
+def rotate(x: torch.Tensor, matrices: torch.Tensor | SignedProduct) -> torch.Tensor:
     """``x`` ``[B, Hx, L, D]`` times the matrix of its KV head (``Hx`` a multiple of the ``H``
-    matrices: query heads in groups, as GQA lays them out). One batched product in ``x``'s
-    dtype (the matrices are cast to it once per call; fp32 accumulation): a decode step runs
-    four of these per layer, and casts around them would double its kernels."""
-    H = matrices.shape[0]
+    matrices: query heads in groups, as GQA lays them out), in ``x``'s dtype (the matrices are
+    cast to it; fp32 accumulation). A decode step runs four of these per layer, so they cost
+    as few kernels as the form allows: per-head matrices ``[H, D, D]`` one product batched over
+    the heads (each matrix read once), a :class:`SignedProduct` a sign flip and one product."""
     B, Hx, L, D = x.shape
-    grouped = x.reshape(B, H, (Hx // H) * L, D)
-    return torch.matmul(grouped, matrices.to(x.dtype)).reshape(B, Hx, L, D)
+    if isinstance(matrices, SignedProduct):
+        H = matrices.signs.shape[0]
+        grouped = x.reshape(B, H, (Hx // H) * L, D)
+        signs = matrices.signs.to(x.dtype)[None, :, None, :]
+        if matrices.signs_first:
+            grouped = grouped * signs
+        grouped = grouped @ matrices.matrix.to(x.dtype)
+        if not matrices.signs_first:
+            grouped = grouped * signs
+        return grouped.reshape(B, Hx, L, D)
+    H = matrices.shape[0]
+    by_head = x.reshape(B, H, (Hx // H) * L, D).transpose(0, 1).reshape(H, -1, D)
+    out = torch.bmm(by_head, matrices.to(x.dtype))
+    return out.reshape(H, B, -1, D).transpose(0, 1).reshape(B, Hx, L, D)
 
 
 def unrotate(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..paging import LayerStore
-from ..rotations import rotate
+from ..rotations import SignedProduct, rotate
 from .attention import dense_attention, paged_attention
 from .compression import compress, compress_in_place
 from .errors import CacheReuseError
@@ -217,11 +217,19 @@ class LayerRuntime:
         return self.queries.index_select(2, order), self.query_positions.index_select(1, order)
 
 
-def _exact_form(m: torch.Tensor, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``(forward, back, gain)`` of orthogonal matrices ``m`` (see :meth:`LayerRuntime._rotation`)."""
+def _exact_form(m: torch.Tensor, dtype: torch.dtype, device) -> tuple:
+    """``(forward, back, gain)`` of orthogonal matrices ``m`` (see :meth:`LayerRuntime._rotation`):
+    a :class:`~kvcompose.rotations.SignedProduct` where the heads' ``±1`` matrices differ only by
+    the signs of their rows (Hadamard with random signs), else per-head matrices."""
     D = m.shape[-1]
     signs = m * D ** 0.5
-    if torch.allclose(signs.abs(), torch.ones_like(signs), atol=1e-4):
-        s = signs.sign()
-        return s.to(device=device, dtype=dtype), (s.transpose(-1, -2) / D).to(device=device, dtype=dtype), float(D)
-    return m.to(device=device, dtype=dtype), m.transpose(-1, -2).to(device=device, dtype=dtype), 1.0
+    if not torch.allclose(signs.abs(), torch.ones_like(signs), atol=1e-4):
+        return m.to(device=device, dtype=dtype), m.transpose(-1, -2).to(device=device, dtype=dtype), 1.0
+    s = signs.sign()
+    row_signs = s[:, :, 0]  # each head's rows made to start with +1 give one shared matrix, if they share one
+    shared = s[0] * row_signs[0][:, None]
+    if torch.equal(row_signs[:, :, None] * shared, s):
+        row_signs, shared = row_signs.to(device=device, dtype=dtype), shared.to(device=device, dtype=dtype)
+        return (SignedProduct(row_signs, shared, signs_first=True),
+                SignedProduct(row_signs, shared.transpose(0, 1) / D, signs_first=False), float(D))
+    return s.to(device=device, dtype=dtype), (s.transpose(-1, -2) / D).to(device=device, dtype=dtype), float(D)
