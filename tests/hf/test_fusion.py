@@ -8,7 +8,7 @@ import torch
 
 from conftest import left_padded, tiny_model
 from kvcompose import Policy
-from kvcompose.hf import fusion
+from kvcompose.hf import fusion, projections
 from kvcompose.hf.attention import UnsupportedModelError
 from kvcompose.hf.static import fast_generate
 
@@ -53,6 +53,14 @@ def test_fused_layers_give_the_unfused_tokens(monkeypatch, preset):
     ops = {str(node.target) for graph in backend.graphs for node in graph.graph.nodes}
     assert any("rsqrt" in op for op in ops)  # the norms were compiled...
     assert not any("kvcompose" in op for op in ops)  # ...and the kvcompose attention ran outside the graphs
+    # one product for query, key and value, one for gate and up: their stacked weights' rows
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    rows = {node.args[1].meta["example_value"].shape[0] for graph in backend.graphs for node in graph.graph.nodes
+            if node.target in projections.LINEAR_OPS}
+    assert {(config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim,
+            2 * config.intermediate_size} <= rows
+    assert config.num_key_value_heads * head_dim not in rows  # no key or value product of its own
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)  # the model's own layers again
 
 

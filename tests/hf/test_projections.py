@@ -72,6 +72,56 @@ def test_repeated_products_are_merged_and_others_kept():
     expected = step(*inputs)
     assert projections.deduplicate_products(graph_module.graph) == 1
     graph_module.recompile()
-    linears = [n for n in graph_module.graph.nodes if n.target in projections.PRODUCTS]
+    linears = [n for n in graph_module.graph.nodes if n.target in projections.LINEAR_OPS]
     assert len(linears) == 2
     torch.testing.assert_close(graph_module(*inputs), expected)
+
+
+def test_products_on_either_side_of_an_in_place_change_stay_apart():
+    def step(x, w):
+        a = torch.nn.functional.linear(x, w)
+        x.add_(1.0)  # the second product sees another x
+        return a, torch.nn.functional.linear(x, w)
+
+    graph_module = torch.fx.symbolic_trace(step)
+    assert projections.deduplicate_products(graph_module.graph) == 0
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    graph_module.recompile()
+    a, b = graph_module(x.clone(), w)
+    torch.testing.assert_close(b - a, (torch.ones(3, 4) @ w.T).expand_as(a), atol=1e-5, rtol=1e-5)
+
+
+def test_modules_with_hooks_or_without_real_storage_keep_their_projections():
+    model = tiny_model(layers=1)
+    attn = model.model.layers[0].self_attn
+    assert projections.plain_linear(attn.q_proj)
+    handle = attn.k_proj.register_forward_hook(lambda *args: None)
+    assert not projections.plain_linear(attn.k_proj)
+    assert [names for _, names in projections.stackable_groups(model.model.layers[0])] == [("gate_proj", "up_proj")]
+    handle.remove()
+    assert not projections.plain_linear(torch.nn.Linear(4, 4, device="meta"))
+    flat = torch.zeros(40)
+    view = torch.nn.Linear(4, 4, bias=False)
+    view.weight.data = flat[8:24].view(4, 4)  # a slice of a flat buffer: it would not return there
+    assert not projections.plain_linear(view)
+
+
+def test_state_dict_and_parameters_keep_their_names_while_stacked():
+    model = tiny_model(layers=2)
+    keys = list(model.state_dict())
+    names = [name for name, _ in model.named_parameters()]
+    with projections.stacked_projections(model.model.layers):
+        assert list(model.state_dict()) == keys
+        assert [name for name, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == keys
+
+
+def test_cross_attention_keeps_its_projections():
+    class CrossAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    layer = torch.nn.Module()
+    layer.encoder_attn = CrossAttention()
+    assert projections.stackable_groups(layer) == []

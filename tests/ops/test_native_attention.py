@@ -1,4 +1,5 @@
-"""The CUDA decode kernel of NVFP4 pools (ops.paged_attention.native): when it runs, and that it agrees with the reference."""
+"""The CUDA decode kernel of NVFP4 pools (ops.paged_attention.native): when it runs, and that it agrees with
+the reference."""
 
 import logging
 
@@ -127,17 +128,27 @@ def test_cuda_native_kernel_replays_in_a_graph():
 @pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 8)])
 def test_cuda_native_kernel_reads_regions_of_one_pool_in_one_launch(head_dim, group):
     """The regions' tables split the pool's rows at different columns (empty regions and rows
-    included); their extents bound each; five regions take two launches."""
+    included), with another pool's source between them, so a launch's partial results are not
+    contiguous; five regions take two launches. Extents bound each region, and one that cuts a
+    row's last valid tokens drops them (enough of them to move the output well past the tolerance)."""
     lengths = [1000, 0, 37, 300, 1]
     src = make_source("nvfp4", lengths, 2, head_dim, holes=True, seed=7, device="cuda")
+    other = make_source("nvfp4", [200, 5, 0, 90, 64], 2, head_dim, seed=8, device="cuda")
     query = torch.randn(len(lengths), 2 * group, 1, head_dim, device="cuda").to(torch.bfloat16)
     buffer = make_source("dense", [3, 0, 15, 1, 0], 2, head_dim, bs=15, seed=9, device="cuda")
     for cuts in ([10], [8, 20, 40], [6, 12, 24, 40]):  # regions of 5 columns or more: none left to Triton
         parts = regions(src, cuts)
-        plans = _native_plans(query, parts, False, "cuda")[1]
-        assert len(plans) == len(parts)
-        assert len(native_groups(plans, parts)) == (1 if len(parts) <= native.MAX_REGIONS else 2)
-        check_native(query, parts + [buffer])
-    bs, tokens = src.block_size, src.table.shape[1] * src.block_size
-    extents = [[min(n, 10 * bs) for n in lengths], [max(0, min(n, tokens) - 10 * bs) for n in lengths]]
-    check_native(query, regions(src, [10], extents) + [buffer])
+        sources = [parts[0], other, *parts[1:], buffer]
+        plans = _native_plans(query, sources, False, "cuda")[1]
+        assert len(plans) == len(parts) + 1
+        assert len(native_groups(plans, sources)) == (2 if len(parts) <= native.MAX_REGIONS else 3)
+        check_native(query, sources)
+    bs = src.block_size
+    extents = [[min(n, 10 * bs) for n in lengths], [max(0, n - 10 * bs) for n in lengths]]
+    extents[1][0] -= 392  # row 0's last 392 columns (whole blocks) lie beyond the second region's extent
+    out = paged_decode_attention(query, regions(src, [10], extents) + [other, buffer], 0.1, backend="cuda")
+    valid = src.valid.clone()
+    valid[src.slots()[0, lengths[0] - 392:lengths[0]]] = False
+    without = PagedSource(src.key, src.value, src.table, bs, valid)
+    ref = paged_decode_attention_torch(query, [without, other, buffer], 0.1)
+    torch.testing.assert_close(out.float(), ref.float(), atol=1.6e-2, rtol=1.6e-2)

@@ -59,10 +59,10 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 def compiled_forward(layer_class: type, backend=BACKEND):
     """One compiled ``forward`` per decoder-layer class, shared by its layers (and by every
     model of that class in the process, so a second generation compiles nothing new)."""
-    return torch.compile(layer_class.forward, backend=_merging_products(backend), dynamic=False)
+    return torch.compile(layer_class.forward, backend=_with_merged_products(backend), dynamic=False)
 
 
-def _merging_products(backend):
+def _with_merged_products(backend):
     """``backend`` (a name or a compile function) behind a pass that merges repeated products
     (:func:`~kvcompose.hf.projections.deduplicate_products`: the stacked projections' stand-ins)."""
     compile_graph = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
@@ -83,6 +83,11 @@ def fused_layers(model, backend: str | None = None):
     layers = decoder_layers(model)
     backend = backend or BACKEND
     limits = dict(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT)
+    if hasattr(torch._dynamo.config, "invalidate_compile_context_weakrefs"):
+        # dynamo drops its weak references to the traced tensors after compiling for its own
+        # backends only; ours wraps one, and without this torch.utils.swap_tensors would then
+        # refuse the model's weights (a `.to()` that swaps, loading with assign=True)
+        limits["invalidate_compile_context_weakrefs"] = True
     with torch._dynamo.config.patch(**limits):
         for layer in layers:
             layer.forward = types.MethodType(compiled_forward(type(layer), backend), layer)

@@ -229,10 +229,12 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
             cache.static_decoder = decoder
             try:
                 with fused_layers(model) if fuse else contextlib.nullcontext():
-                    _decode(decoder, Schedule(cache, max_new_tokens - 1), tokens, finished, eos, pad_token_id)
+                    try:
+                        _decode(decoder, Schedule(cache, max_new_tokens - 1), tokens, finished, eos, pad_token_id)
+                    finally:  # before the fused layers' weights are restored, which allocates
+                        decoder.release_graphs()
             finally:
                 cache.step_plan = None
-                decoder.release_graphs()
         cache.check_errors()
     return torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
 

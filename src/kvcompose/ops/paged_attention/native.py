@@ -130,7 +130,7 @@ def pool_of(src: PagedSource) -> tuple:
     block tables and extents."""
     key, value = src.key, src.value
     tensors = (src.valid, key.codes, key.scale, key.head_scale, value.codes, value.scale, value.head_scale)
-    return tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride())) for t in tensors) + (src.block_size,)
+    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) for t in tensors) + (src.block_size,)
 
 
 def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int, int, int]], part: torch.Tensor,
@@ -138,12 +138,12 @@ def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int,
     """One launch over ``regions`` of one pool (:func:`pool_of`), each given as ``(source, first
     partial result, tokens per split, splits)``: its splits run as programs per (row, KV head),
     written as partial results ``first ..`` of ``total`` (the Triton merge's layout)."""
-    src = regions[0][0]
+    sources, firsts, per_split, n_splits = zip(*regions)
+    src = sources[0]
     key, value = src.key, src.value
-    none = torch.empty(0, dtype=torch.int64, device=q.device)
-    built.nvfp4_partial(q, part, lse, [s.table.contiguous() for s, *_ in regions], src.valid.view(torch.uint8),
+    no_extent = torch.empty(0, dtype=torch.int64, device=q.device)
+    built.nvfp4_partial(q, part, lse, [s.table.contiguous() for s in sources], src.valid.view(torch.uint8),
                         key.codes, key.scale, key.head_scale.float().contiguous(), value.codes, value.scale,
-                        value.head_scale.float().contiguous(),
-                        [none if s.extent is None else s.extent for s, *_ in regions], src.block_size,
-                        [per for _, _, per, _ in regions], [n for *_, n in regions],
-                        [first for _, first, _, _ in regions], total, qk_scale)
+                        value.head_scale.float().contiguous(), [s.extent if s.extent is not None else no_extent
+                                                                for s in sources],
+                        src.block_size, list(per_split), list(n_splits), list(firsts), total, qk_scale)

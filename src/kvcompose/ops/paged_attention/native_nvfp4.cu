@@ -479,22 +479,35 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::v
   TORCH_CHECK(extents.size() == tables.size() && per_split.size() == tables.size() &&
               n_splits.size() == tables.size() && first.size() == tables.size(),
               "nvfp4 partial kernel: one extent, split length, split count and first result per region");
+  const int B = q.size(0), Hq = q.size(1), H = kc.size(1);
   Regions R{};
-  int splits = 0;
+  int64_t splits = 0;
   for (int r = 0; r < count; ++r) {
+    const at::Tensor& table = tables[r];
+    const at::Tensor& extent = extents[r];
+    TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == B && table.is_contiguous() &&
+                table.device() == q.device(), "nvfp4 partial kernel: region ", r,
+                "'s table must be a contiguous int64 [", B, ", W] tensor on the query's device");
+    TORCH_CHECK(extent.numel() == 0 || (extent.scalar_type() == at::kLong && extent.numel() == B &&
+                extent.is_contiguous() && extent.device() == q.device()), "nvfp4 partial kernel: region ", r,
+                "'s extent must be empty or a contiguous int64 [", B, "] tensor on the query's device");
+    TORCH_CHECK(n_splits[r] >= 1 && per_split[r] >= 1 && first[r] >= 0 && first[r] + n_splits[r] <= total,
+                "nvfp4 partial kernel: region ", r, " writes partial results ", first[r], " to ",
+                first[r] + n_splits[r], " of ", total, " in splits of ", per_split[r], " tokens");
     R.table[r] = tables[r].data_ptr<int64_t>();
     R.extent[r] = extents[r].numel() > 0 ? extents[r].data_ptr<int64_t>() : nullptr;
     R.W[r] = tables[r].size(1), R.per_split[r] = per_split[r], R.n_splits[r] = n_splits[r], R.first[r] = first[r];
     splits += n_splits[r];
   }
   R.count = count;
-  const int B = q.size(0), Hq = q.size(1), H = kc.size(1);
+  TORCH_CHECK(splits <= 65535, "nvfp4 partial kernel: ", splits, " splits per (row, KV head); at most 65535");
   dim3 grid(B * H, splits);
   auto stream = at::cuda::getCurrentCUDAStream();
   nvfp4_partial_kernel<D, T><<<grid, 32, 0, stream>>>(
-      reinterpret_cast<const T*>(q.data_ptr()), part.data_ptr<float>(), lse.data_ptr<float>(), valid.data_ptr<uint8_t>(),
-      kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(), khs.data_ptr<float>(), vc.data_ptr<uint8_t>(),
-      vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(), R, H, Hq / H, (int)block_size, (int)total, (float)qk_scale);
+      reinterpret_cast<const T*>(q.data_ptr()), part.data_ptr<float>(), lse.data_ptr<float>(),
+      valid.data_ptr<uint8_t>(), kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(), khs.data_ptr<float>(),
+      vc.data_ptr<uint8_t>(), vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(), R, H, Hq / H, (int)block_size,
+      (int)total, (float)qk_scale);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
