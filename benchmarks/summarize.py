@@ -385,13 +385,30 @@ def kernel_label(name: str) -> str:
     return base + (f" [{', '.join(tags)}]" if tags else "")
 
 
+def profile_records() -> tuple[dict | None, list[dict]]:
+    """The newest profile run and, per policy, the newest record at its batch, prompt and GPU,
+    each with its run's ``date``: a run may profile some policies only, and the page still
+    shows the others as last measured."""
+    runs = [r for r in read_runs(RESULTS / "profile_decode_gpu.json") if not r.get("smoke")]
+    if not runs:
+        return None, []
+    last = runs[-1]
+    shape = (last["records"][0]["batch"], last["records"][0]["prompt"], last["environment"].get("gpu"))
+    newest: dict[str, dict] = {}
+    for run in runs:
+        for r in run["records"]:
+            if (r["batch"], r["prompt"], run["environment"].get("gpu")) == shape:
+                newest[r["policy"]] = dict(r, date=run["environment"].get("date", ""))
+    return last, list(newest.values())
+
+
 def decode_profile(lines: list[str]) -> None:
-    data = _load("profile_decode_gpu.json")
+    data, recs = profile_records()
     if not data:
         return
-    recs = data["records"]
     r0 = recs[0]
-    lines += ["## Where a decode step goes", "", f"`profile_decode_gpu.json` — {_env(data)}", "",
+    dates = ", ".join(f"{r['policy']} {r['date'][:16]}" for r in recs)
+    lines += ["## Where a decode step goes", "", f"`profile_decode_gpu.json` — {_env(data)}; runs: {dates}", "",
               f"`benchmarks/profile_decode.py`: GPU time per decode step by kernel (torch.profiler), batch "
               f"{r0['batch']}, prompt {r0['prompt']}, {r0['steps']} decode steps (a run of that many more steps "
               "minus a short one), the static-shape path without CUDA graphs (the kernels a replayed graph runs), "
@@ -402,9 +419,11 @@ def decode_profile(lines: list[str]) -> None:
               "SiLU and residual sums, the `at::native` kernels the cache's bookkeeping and what runs outside "
               "the fused layers. " + data.get("notes", ""), ""]
     replayed = all(r.get("replay_ms_per_step") is not None for r in recs)
+    launches = all(r.get("launches_per_layer") is not None for r in recs)
     totals = [[r["policy"], f"{r['ms_per_step']:.2f}"] + ([f"{r['replay_ms_per_step']:.2f}"] if replayed else [])
-              for r in recs]
-    lines += _table(["policy", "kernel ms per step"] + (["replayed step ms"] if replayed else []), totals) + [""]
+              + ([f"{r['launches_per_step']:.0f} ({r['launches_per_layer']:.1f})"] if launches else []) for r in recs]
+    lines += _table(["policy", "kernel ms per step"] + (["replayed step ms"] if replayed else [])
+                    + (["kernel launches per step (per layer)"] if launches else []), totals) + [""]
     names: list[str] = []
     for r in recs:
         names += [k["name"] for k in r["kernels"] if k["name"] not in names]
