@@ -40,8 +40,11 @@ $(OLD_VENV)/.oldest: pyproject.toml Makefile
 test-oldest: $(OLD_VENV)/.oldest
 	$(OLD_VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 --dist load
 
+# The gpu tests spend most of their time compiling kernels: worker processes compile in parallel
+# (one file per worker, sharing the GPU).
+GPU_WORKERS ?= 4
 test-gpu: setup
-	$(PY) -m pytest -q -m gpu
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu -n $(GPU_WORKERS) --dist loadfile
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict
