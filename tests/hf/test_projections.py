@@ -15,25 +15,24 @@ def _storages(module: torch.nn.Module) -> set[int]:
 def test_stand_ins_give_each_projection_its_own_output_from_one_stacked_weight():
     model = tiny_model(layers=2)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    groups = zip((attn, mlp), projections.SIBLINGS)
+    parents = {name: parent for parent, names in groups for name in names}
     x = torch.randn(3, 1, model.config.hidden_size)
-    expected = {name: getattr(attn, name)(x) for name in ("q_proj", "k_proj", "v_proj")}
-    expected |= {name: getattr(mlp, name)(x) for name in ("gate_proj", "up_proj")}
-    originals = {name: getattr(attn, name) for name in ("q_proj", "k_proj", "v_proj")}
+    expected = {name: getattr(parent, name)(x) for name, parent in parents.items()}
+    originals = {name: getattr(parent, name) for name, parent in parents.items()}
     with torch.inference_mode(), projections.stacked_projections(model.model.layers):
         assert isinstance(attn.q_proj, projections.ProjectionSlice)
-        for name, out in expected.items():
-            parent = attn if name in originals else mlp
-            torch.testing.assert_close(getattr(parent, name)(x), out, rtol=1e-6, atol=1e-6)
+        for name, parent in parents.items():
+            torch.testing.assert_close(getattr(parent, name)(x), expected[name], rtol=1e-6, atol=1e-6)
         # the originals' weights are slices of the stacked one: one storage per group, none copied
         stacked = attn.q_proj.stacked.weight
-        assert {m.weight.untyped_storage().data_ptr() for m in originals.values()} == {
+        assert {originals[n].weight.untyped_storage().data_ptr() for n in ("q_proj", "k_proj", "v_proj")} == {
             stacked.untyped_storage().data_ptr()}
-    assert all(getattr(attn, name) is module for name, module in originals.items())
+    assert all(getattr(parent, name) is originals[name] for name, parent in parents.items())
     assert len(_storages(attn)) == 4  # q, k, v and o each own their storage again
-    for name, out in expected.items():
-        parent = attn if name in originals else mlp
-        assert not getattr(parent, name).weight.is_inference()  # stacked and restored outside inference mode
-        torch.testing.assert_close(getattr(parent, name)(x), out, rtol=0, atol=0)
+    for name, parent in parents.items():
+        assert not originals[name].weight.is_inference()  # stacked and restored outside inference mode
+        torch.testing.assert_close(getattr(parent, name)(x), expected[name], rtol=0, atol=0)
 
 
 def test_modules_are_restored_when_the_block_fails():

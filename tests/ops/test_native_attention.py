@@ -46,8 +46,8 @@ def test_regions_of_one_pool_share_a_launch_and_other_pools_do_not():
     sources = [parts[0], other, *parts[1:]]
     plans = {i: (10 * i, 32, 2) for i in range(len(sources))}
     groups = native_groups(plans, sources)
-    at = {id(s): i for i, s in enumerate(sources)}
-    assert [[at[id(s)] for s, *_ in g] for g in groups] == [[0, 2, 3, 4], [5, 6], [1]]
+    index_of = {id(s): i for i, s in enumerate(sources)}
+    assert [[index_of[id(s)] for s, *_ in g] for g in groups] == [[0, 2, 3, 4], [5, 6], [1]]
     assert groups[0][1][0] is sources[2] and groups[0][1][1:] == (20, 32, 2)
 
 
