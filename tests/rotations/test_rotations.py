@@ -157,6 +157,7 @@ def test_a_signed_product_rotates_as_its_per_head_matrices(signs_first):
         torch.testing.assert_close(rotate(x, op), rotate(x, op.dense()), atol=1e-5, rtol=1e-5)
         expected = torch.einsum("bhgld,hde->bhgle", x.view(2, 3, 4, L, 8), op.dense()).reshape(2, 12, L, 8)
         torch.testing.assert_close(rotate(x, op.dense()), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(unrotate(x, op), unrotate(x, op.dense()), atol=1e-5, rtol=1e-5)
 
 
 def test_rotation_matrices_that_do_not_share_one_up_to_signs_stay_per_head():

@@ -44,6 +44,10 @@ class SignedProduct:
         signs = self.signs[:, :, None] if self.signs_first else self.signs[:, None, :]
         return signs * self.matrix
 
+    def transposed(self) -> SignedProduct:
+        """Each head's matrix transposed: ``(diag(s) M)^T = M^T diag(s)``."""
+        return SignedProduct(self.signs, self.matrix.transpose(0, 1), not self.signs_first)
+
 
 def rotate(x: torch.Tensor, matrices: torch.Tensor | SignedProduct) -> torch.Tensor:
     """``x`` ``[B, Hx, L, D]`` times the matrix of its KV head (``Hx`` a multiple of the ``H``
@@ -68,6 +72,8 @@ def rotate(x: torch.Tensor, matrices: torch.Tensor | SignedProduct) -> torch.Ten
     return out.reshape(H, B, -1, D).transpose(0, 1).reshape(B, Hx, L, D)
 
 
-def unrotate(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
+def unrotate(x: torch.Tensor, matrices: torch.Tensor | SignedProduct) -> torch.Tensor:
     """The inverse of :func:`rotate` (the transposed matrices)."""
+    if isinstance(matrices, SignedProduct):
+        return rotate(x, matrices.transposed())
     return rotate(x, matrices.transpose(-1, -2))

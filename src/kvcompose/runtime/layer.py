@@ -230,6 +230,7 @@ def _exact_form(m: torch.Tensor, dtype: torch.dtype, device) -> tuple:
     shared = s[0] * row_signs[0][:, None]
     if torch.equal(row_signs[:, :, None] * shared, s):
         row_signs, shared = row_signs.to(device=device, dtype=dtype), shared.to(device=device, dtype=dtype)
-        return (SignedProduct(row_signs, shared, signs_first=True),
-                SignedProduct(row_signs, shared.transpose(0, 1) / D, signs_first=False), float(D))
+        forward = SignedProduct(row_signs, shared, signs_first=True)
+        back = forward.transposed()
+        return forward, SignedProduct(back.signs, back.matrix / D, back.signs_first), float(D)
     return s.to(device=device, dtype=dtype), (s.transpose(-1, -2) / D).to(device=device, dtype=dtype), float(D)

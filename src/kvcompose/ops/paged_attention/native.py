@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ...device_constants import device_constant
 from .formats import PagedSource
 
 log = logging.getLogger("kvcompose")
@@ -141,7 +142,7 @@ def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int,
     sources, firsts, per_split, n_splits = zip(*regions)
     src = sources[0]
     key, value = src.key, src.value
-    no_extent = torch.empty(0, dtype=torch.int64, device=q.device)
+    no_extent = device_constant((), q.device, torch.int64)  # empty: the kernel bounds that region by its table
     built.nvfp4_partial(q, part, lse, [s.table.contiguous() for s in sources], src.valid.view(torch.uint8),
                         key.codes, key.scale, key.head_scale.float().contiguous(), value.codes, value.scale,
                         value.head_scale.float().contiguous(), [s.extent if s.extent is not None else no_extent
