@@ -7,7 +7,10 @@ aims at the largest part. Per policy, at one batch:
   ``--new-tokens`` more steps than a short one, minus the short one (the static-shape path
   without CUDA graphs: the kernels are those a replayed graph runs; only launches differ).
   Also the launches per step and per decoder layer (every kernel of the step, the model's
-  head included, over the layer count).
+  head included, over the layer count): an average that includes each step's share of the
+  periodic work (flushes of the recent buffer, evictions, refreshes).
+- **plain step**: the launches of a step without periodic work alone, counted on the host
+  inside the ranges the static decoder names ``kvcompose decode step: plain``.
 - **replayed step**: the GPU time of one replayed plain step with CUDA graphs; beyond the
   kernels' own time it holds the gaps between them.
 - **memory**: above the weights, the peak of a prefill-only run, the peak of the decode run
@@ -21,6 +24,7 @@ aims at the largest part. Per policy, at one batch:
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 from collections import defaultdict
 
@@ -30,7 +34,7 @@ from bench_e2e_gpu import build_model, make_policy
 from harness.llama import llama_model
 from harness.results import ResultLog
 from harness.table import format_table
-from kvcompose.hf.static import fast_generate
+from kvcompose.hf.static import STEP_RANGE, fast_generate
 from kvcompose.speed import random_prompts
 
 
@@ -48,23 +52,48 @@ def kernel_times(model, policy, ids, mask, steps: int) -> dict[str, tuple[float,
     return out
 
 
-def _profiled(model, policy, ids, mask, new: int) -> dict[str, tuple[int, float]]:
+def _profile(model, policy, ids, mask, new: int, cpu: bool = False):
     from torch.profiler import ProfilerActivity, profile
 
     cuda = ids.is_cuda
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    if cpu and cuda:
+        activities.append(ProfilerActivity.CPU)
     cache = policy.make_cache(model)
     with profile(activities=activities) as prof:
         fast_generate(model, cache, ids, mask, new, graphs=False)
         if cuda:
             torch.cuda.synchronize()
+    return prof
+
+
+def _profiled(model, policy, ids, mask, new: int) -> dict[str, tuple[int, float]]:
+    cuda = ids.is_cuda
     totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    for event in prof.key_averages():
+    for event in _profile(model, policy, ids, mask, new).key_averages():
         us = event.self_device_time_total if cuda else event.self_cpu_time_total
         if us > 0 and (not cuda or event.device_type == torch.autograd.DeviceType.CUDA):
             totals[event.key][0] += event.count
             totals[event.key][1] += us
     return {k: (c, us) for k, (c, us) in totals.items()}
+
+
+#: Host calls that put work on the GPU: kernel launches (runtime and driver API), copies and fills.
+LAUNCHES = ("cudaLaunch", "cuLaunch", "cudaMemcpy", "cudaMemset")
+
+
+def plain_step_launches(model, policy, ids, mask, steps: int) -> tuple[int, float | None]:
+    """``(plain steps, launches per plain step)``: the host's launch calls inside the ranges
+    the static decoder names plain steps (no eviction, refresh or flush), without CUDA graphs. The kernel count of :func:`kernel_times` averages in every step's share of the
+    periodic work; this is the step that runs between them. CPU: ``(steps, None)``."""
+    prof = _profile(model, policy, ids, mask, steps + 2, cpu=True)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    plain = [e.time_range for e in events if e.name == STEP_RANGE + "plain"]
+    if not ids.is_cuda:
+        return len(plain), None
+    starts = sorted(e.time_range.start for e in events if e.name.startswith(LAUNCHES))
+    inside = sum(bisect.bisect_right(starts, r.end) - bisect.bisect_left(starts, r.start) for r in plain)
+    return len(plain), inside / max(len(plain), 1)
 
 
 REPLAYED = ("replay", "evict", "refresh")  # steps that replay a graph (not its warm-up or capture)
@@ -140,6 +169,10 @@ def main(argv=None) -> int:
         print(f"\n{name}, batch {args.batch}: {total / 1e3:.2f} ms of {'kernels' if device == 'cuda' else 'CPU operators'}"
               f" per decode step, {calls:.0f} launches ({calls / layers:.1f} per layer)", flush=True)
         print(format_table(["kernel" if device == "cuda" else "operator", "calls/step", "us/step", "%"], rows))
+        plain_steps, plain_launches = plain_step_launches(model, policy, ids, mask, args.new_tokens)
+        if plain_launches is not None:
+            print(f"plain step ({plain_steps} of them): {plain_launches:.0f} launches "
+                  f"({plain_launches / layers:.1f} per layer)", flush=True)
         replay = replayed_step_ms(model, policy, ids, mask, args.new_tokens)
         if replay is not None:
             print(f"replayed step {replay:.2f} ms: {replay - total / 1e3:.2f} ms more than its kernels", flush=True)
@@ -148,7 +181,9 @@ def main(argv=None) -> int:
             print(" ".join(f"{k} {v:.2f}" for k, v in mem.items()), flush=True)
         records.append({"policy": name, "batch": args.batch, "prompt": prompt, "steps": args.new_tokens,
                         "ms_per_step": total / 1e3, "memory": mem, "launches_per_step": calls,
-                        "launches_per_layer": calls / layers,
+                        "launches_per_layer": calls / layers, "plain_steps": plain_steps,
+                        "launches_per_plain_step": plain_launches,
+                        "launches_per_layer_plain_step": None if plain_launches is None else plain_launches / layers,
                         **({} if replay is None else {"replay_ms_per_step": replay}),
                         "kernels": [{"name": k, "calls_per_step": c, "us_per_step": us} for k, (c, us) in top]})
         if log is not None:  # after every policy: a run cut off by a time limit keeps what it measured

@@ -21,5 +21,6 @@ def test_profile_decode_smoke_splits_a_step_by_operator(monkeypatch, tmp_path, c
     assert run["smoke"] and run["environment"]["versions"]["torch"]
     record = run["records"][0]
     assert record["policy"] == "fullkv" and record["steps"] == 4 and record["ms_per_step"] > 0
+    assert record["plain_steps"] >= 3 and record["launches_per_plain_step"] is None  # launches: CUDA only
     assert 0 < len(record["kernels"]) <= 5 and all(k["us_per_step"] > 0 for k in record["kernels"])
     assert "fullkv, batch 2" in capsys.readouterr().out

@@ -27,6 +27,10 @@ from .compat import cache_kwargs
 from .fusion import default_fuse, fused_layers
 from .model_check import check_model
 
+#: Name of a decode step's range in ``torch.profiler`` traces, followed by its :func:`step_kind`.
+STEP_RANGE = "kvcompose decode step: "
+
+
 def step_kind(plan: StepPlan, replay: bool, first: bool, graphs: bool) -> str:
     """How :meth:`StaticDecoder.summary` files a step's time: ``eager`` (runs eagerly by plan),
     ``warm-up`` (the eager run of a graph variant before its capture: one-time work, whatever
@@ -90,22 +94,29 @@ class StaticDecoder:
 
     def step(self, tokens: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Feed ``tokens`` ``[B]`` through one decode step planned by ``plan`` (after
-        :meth:`begin_step`); returns logits ``[B, V]``."""
-        self.replay_call_s = 0.0
+        :meth:`begin_step`); returns logits ``[B, V]``. Under ``torch.profiler`` the step is
+        a range named :data:`STEP_RANGE` plus its :func:`step_kind` (and `` flush`` when a
+        recent buffer is encoded into blocks in it)."""
         key = plan.graph_key
         replay = not plan.eager and self.graphs and key in self.warm
+        first = replay and key not in self.captured
+        kind = step_kind(plan, replay, first, self.graphs)
+        with torch.profiler.record_function(STEP_RANGE + kind + " flush" * plan.flush):
+            return self._step(tokens, plan, replay, first, kind)
+
+    def _step(self, tokens: torch.Tensor, plan: StepPlan, replay: bool, first: bool, kind: str) -> torch.Tensor:
+        self.replay_call_s = 0.0
+        key = plan.graph_key
         # profile: an eager step's GPU time starts with the step, a replay's at the replay
         began = _recorded_event() if self.profile and not replay else None
         self.ids.copy_(tokens[:, None])
         self.cache.step_plan = plan
-        first = False
         if not replay:
             if not plan.eager:
                 self.warm.add(key)
             self.eager_steps += plan.eager
             logits = self._forward()
         else:
-            first = key not in self.captured
             if first:  # capturing (host work between the profile's events), then the first replay: one-time work
                 self.captured[key] = self._capture()
             graph, logits = self.captured[key]
@@ -124,7 +135,7 @@ class StaticDecoder:
         self.positions += 1
         self.cache_position += 1
         if self.profile:
-            self._events.append((step_kind(plan, replay, first, self.graphs), began, _recorded_event()))
+            self._events.append((kind, began, _recorded_event()))
         return logits
 
     def note_host(self, seconds: float) -> None:
