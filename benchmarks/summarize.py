@@ -402,6 +402,11 @@ def profile_records() -> tuple[dict | None, list[dict]]:
     return last, list(newest.values())
 
 
+def _plain_launches(record: dict) -> str:
+    launches = record.get("launches_per_plain_step")
+    return "–" if launches is None else f"{launches:.0f} ({record['launches_per_layer_plain_step']:.1f})"
+
+
 def decode_profile(lines: list[str]) -> None:
     data, recs = profile_records()
     if not data:
@@ -420,10 +425,17 @@ def decode_profile(lines: list[str]) -> None:
               "the fused layers. " + data.get("notes", ""), ""]
     replayed = all(r.get("replay_ms_per_step") is not None for r in recs)
     launches = all(r.get("launches_per_layer") is not None for r in recs)
+    plain = any(r.get("launches_per_plain_step") is not None for r in recs)
     totals = [[r["policy"], f"{r['ms_per_step']:.2f}"] + ([f"{r['replay_ms_per_step']:.2f}"] if replayed else [])
-              + ([f"{r['launches_per_step']:.0f} ({r['launches_per_layer']:.1f})"] if launches else []) for r in recs]
+              + ([f"{r['launches_per_step']:.0f} ({r['launches_per_layer']:.1f})"] if launches else [])
+              + ([_plain_launches(r)] if plain else []) for r in recs]
     lines += _table(["policy", "kernel ms per step"] + (["replayed step ms"] if replayed else [])
-                    + (["kernel launches per step (per layer)"] if launches else []), totals) + [""]
+                    + (["kernel launches per step (per layer)"] if launches else [])
+                    + (["launches per plain step (per layer)"] if plain else []), totals) + [""]
+    if plain:
+        lines += ["*Kernel launches per step* average every step's share of the periodic work (flushes of the "
+                  "recent buffer, evictions, refreshes) into the step; *launches per plain step* count the host's "
+                  "launch calls inside the steps that do none of it. A dash: not measured in that policy's run.", ""]
     names: list[str] = []
     for r in recs:
         names += [k["name"] for k in r["kernels"] if k["name"] not in names]

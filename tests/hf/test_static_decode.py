@@ -6,7 +6,7 @@ import torch
 from conftest import SHORT_RUN_EVICTION, char_tokenizer, greedy, left_padded
 from sync_guard import HostSyncError, forced_step_kernels, no_host_sync
 from kvcompose import Policy
-from kvcompose.hf.static import fast_generate
+from kvcompose.hf.static import STEP_RANGE, fast_generate
 from kvcompose.runtime.schedule import Schedule, static_capacity
 
 # Small budgets and periods so that every trigger fires within a short run.
@@ -84,6 +84,20 @@ def test_schedule_predicts_exactly_the_steps_whose_trigger_fires(llama):
     assert static.static_decoder.eviction_steps == eager.report().eviction_steps
     assert static.static_decoder.eager_steps == 0 and eager.report().eviction_steps > 1
     assert static.report().eviction_steps == eager.report().eviction_steps
+
+
+def test_profiler_ranges_name_each_step_by_what_it_does(llama):
+    policy = Policy.from_preset("rkv", budget=32, trigger={"buffer": 8})
+    _, ids, mask = left_padded([20, 13, 31])
+    cache = policy.make_cache(llama)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fast_generate(llama, cache, ids, mask, NEW_TOKENS)
+    kinds = [e.name.removeprefix(STEP_RANGE) for e in prof.events() if e.name.startswith(STEP_RANGE)]
+    decoder = cache.static_decoder
+    assert len(kinds) == NEW_TOKENS - 1  # the prefill gave the first token
+    assert sum(k.startswith("evict") for k in kinds) == decoder.eviction_steps > 0
+    assert "plain" in kinds and any(k.endswith(" flush") for k in kinds)
+    assert set(kinds) <= {"plain", "evict", "plain flush", "evict flush"}
 
 
 @pytest.mark.parametrize("preset", ["thinkv", "h2o", "rkv"])
