@@ -18,7 +18,7 @@ def make_state(dtype, channels: int, seed: int = 0):
         meta[f"acc{i}"] = torch.rand(B, CAP, generator=g)
     return {"buf_k": torch.randn(B, CAP, H, D, generator=g).to(dtype), "buf_v": torch.randn(B, CAP, H, D, generator=g).to(dtype),
             "meta": meta, "buf_len": torch.tensor([0, 3, CAP - 1, 2]), "tokens_seen": torch.tensor([5, 9, 7, 0]),
-            "column": torch.tensor(17), "overflow": torch.zeros((), dtype=torch.int32),
+            "column": torch.full((B,), 17), "overflow": torch.zeros((), dtype=torch.int32),
             "nonfinite": torch.zeros(1, dtype=torch.int32)}
 
 
@@ -50,7 +50,7 @@ def test_kernel_matches_reference(dtype, channels):
     pos, got = run(state, keys, values, cls, "triton")
     assert torch.equal(pos, pos_ref) and pos_ref.tolist() == [[17]] * B
     assert_same(got, ref)
-    assert ref["buf_len"].tolist() == [1, 4, CAP, 3] and ref["column"].item() == 18
+    assert ref["buf_len"].tolist() == [1, 4, CAP, 3] and ref["column"].tolist() == [18] * B  # advanced in the launch
     assert ref["meta"]["valid"][1, 3] and ref["meta"]["cls"][0, 0] == 2 and torch.equal(ref["buf_k"][1, 3], keys[1, :, 0])
     assert ref["overflow"].item() == 0 and ref["nonfinite"].item() == 0
     for i in range(channels):
@@ -84,6 +84,10 @@ def test_bad_shapes_and_metadata_are_named():
         run(state, keys, keys, torch.zeros(B, dtype=torch.long), "torch")
     with pytest.raises(ValueError, match=r"classes of shape \(3,\)"):
         run(make_state(torch.float32, 0), keys, keys, torch.zeros(3, dtype=torch.long), "torch")
+    zero_d = make_state(torch.float32, 0)
+    zero_d["column"] = torch.tensor(17)
+    with pytest.raises(ValueError, match=r"column of shape \(\) .* contiguous int64 \[4\] tensor"):
+        run(zero_d, keys, keys, torch.zeros(B, dtype=torch.long), "triton")
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

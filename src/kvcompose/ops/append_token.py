@@ -46,7 +46,8 @@ def _append_token_kernel(k_ptr, v_ptr, ksb, ksh, ksd, vsb, vsh, vsd, bk_ptr, bv_
     row_slot = b * CAP + at
     tl.store(bk_ptr + row_slot * (H * D) + e, k, mask=m)
     tl.store(bv_ptr + row_slot * (H * D) + e, v, mask=m)
-    column = tl.load(column_ptr)
+    column = tl.load(column_ptr + b)
+    tl.store(column_ptr + b, column + 1)  # each row its own counter: no other program reads it
     tl.store(positions_ptr + b, column)
     tl.store(bpos_ptr + row_slot, column)
     tl.store(bvalid_ptr + row_slot, 1)
@@ -66,8 +67,11 @@ def _append_token_kernel(k_ptr, v_ptr, ksb, ksh, ksd, vsb, vsh, vsd, bk_ptr, bv_
         tl.store(ring_pos_ptr + b * W + slot, column)
 
 
-def _check(keys, values, buf_k, buf_v, meta, cls, ring) -> None:
+def _check(keys, values, buf_k, buf_v, meta, column, cls, ring) -> None:
     B, cap, H, D = buf_k.shape
+    if tuple(column.shape) != (B,) or column.dtype != torch.long or not column.is_contiguous():
+        raise ValueError(f"append_token: column of shape {tuple(column.shape)} and dtype {column.dtype}; expected a "
+                         f"contiguous int64 [{B}] tensor (each row's next column)")
     for name, x, buf in (("keys", keys, buf_k), ("values", values, buf_v)):
         if tuple(x.shape) != (B, H, 1, D) or x.dtype != buf.dtype:
             raise ValueError(f"append_token: {name} of shape {tuple(x.shape)} and dtype {x.dtype}; the buffer takes "
@@ -104,14 +108,15 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, buf_k: torch.Tensor, 
                  backend: str | None = None) -> torch.Tensor:
     """Append ``keys`` / ``values`` ``[B, H, 1, D]`` at each row's next slot of the buffer
     ``buf_k`` / ``buf_v`` ``[B, cap, H, D]`` (the last slot when full, which sets ``overflow``),
-    with position ``column`` (a 0-d counter, advanced by one), class ``cls`` ``[B]`` and the
+    with position ``column`` (``[B]``: each row's next column, advanced by one in the same
+    launch; the rows' counters are equal in static mode), class ``cls`` ``[B]`` and the
     live bit in ``meta``'s channels (other channels get 0); ``buf_len`` and ``tokens_seen``
     move on by one; a non-finite key or value sets ``nonfinite``. Returns the positions
     ``[B, 1]``. ``ring``: ``(query [B, Hq, 1, D], queries [B, Hq, W, D], positions [B, W])``,
     a ring of recent queries whose slot ``column % W`` takes the step's query and its
     position. Everything stays on the device. ``backend`` as the other per-step ops
     (:func:`~kvcompose.ops.dispatch.step_kernel_runs`)."""
-    _check(keys, values, buf_k, buf_v, meta, cls, ring)
+    _check(keys, values, buf_k, buf_v, meta, column, cls, ring)
     if not step_kernel_runs(keys, _append_token_kernel, backend):
         return append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, column, cls, overflow,
                                   nonfinite, ring)
@@ -131,7 +136,6 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, buf_k: torch.Tensor, 
         values.stride(3), buf_k, buf_v, buf_len, tokens_seen, column, positions, cls, meta["pos"],
         meta["valid"].view(torch.uint8), meta["cls"], overflow, nonfinite, extra[0] if extra else keys, *ring_args,
         CAP=cap, H=H, D=D, HD_P=next_pow2(H * D), ZERO=bool(extra), **ring_consts, num_warps=4)
-    column += 1
     return positions
 
 
@@ -154,7 +158,7 @@ def append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, c
     overflow |= (buf_len >= cap).any().to(overflow.dtype)
     finite = torch.isfinite(keys).all() & torch.isfinite(values).all()
     nonfinite |= (~finite).to(nonfinite.dtype)
-    positions = column.expand(B, 1).clone()  # not a view: the counter moves on below
+    positions = column.view(B, 1).clone()  # not a view: the counters move on below
     buf_k[rows, at] = keys[:, :, 0]
     buf_v[rows, at] = values[:, :, 0]
     new = {"pos": positions[:, 0], "cls": cls}
@@ -162,7 +166,7 @@ def append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, c
         t[rows, at] = new[name] if name in new else torch.full_like(t[:, 0], name == "valid")
     if ring is not None:
         query, ring_q, ring_pos = ring
-        slot = (column % ring_q.shape[2]).view(1)
+        slot = column[:1] % ring_q.shape[2]  # one slot for every row: their columns are equal
         ring_q.index_copy_(2, slot, query)
         ring_pos.index_copy_(1, slot, positions)
     buf_len += 1

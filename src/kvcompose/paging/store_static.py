@@ -40,7 +40,8 @@ class StoreStatic:
             for region in regions:
                 region.fix_width(width)
         self._grow_buffer(self.buffer_capacity)
-        self.column = torch.full((), self.columns_seen, dtype=torch.long, device=self.device)
+        # each row's next column (equal across rows): the append kernel advances them itself
+        self.column = torch.full((self.batch_size,), self.columns_seen, dtype=torch.long, device=self.device)
         self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)
         self.static = True
         self.columns_limit = columns_limit

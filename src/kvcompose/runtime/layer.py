@@ -213,7 +213,7 @@ class LayerRuntime:
         if self.queries is None or not self.store.static:
             return self.queries, self.query_positions
         window = self.queries.shape[2]
-        order = (self.store.column + torch.arange(window, device=self.queries.device)) % window
+        order = (self.store.column[:1] + torch.arange(window, device=self.queries.device)) % window
         return self.queries.index_select(2, order), self.query_positions.index_select(1, order)
 
 
