@@ -173,6 +173,39 @@ def test_mixed_formats_holes_and_buffer_in_one_call(monkeypatch):
     assert launches == {"_paged_partial_kernel": 1, "_merge_kernel": 1}
 
 
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4", "int"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_merge_launch_computes_the_buffer_itself(fmt, group, monkeypatch):
+    """Where the long sources run in a launch of their own (the CUDA kernel's), the merge launch
+    computes the short ones (the recent buffer, its extent, an empty row) before merging: the
+    reference's attention, and the default path's, in one launch less."""
+    launches = count_launches(monkeypatch, kernels._paged_partial_kernel, kernels._merge_kernel,
+                              kernels._rider_merge_kernel)
+    src = make_source(fmt, [50, 0, 90], 2, 64, holes=True, seed=7)
+    buffer = with_extent(make_source("dense", [5, 0, 15], 2, 64, bs=15, seed=8), [5, 0, 15])
+    query = torch.randn(3, 2 * group, 1, 64, generator=torch.Generator().manual_seed(group)).to(torch.bfloat16)
+    default = paged_decode_attention(query, [src, buffer], 0.1, backend="triton")
+    assert launches == {"_paged_partial_kernel": 1, "_merge_kernel": 1}
+    monkeypatch.setattr(launch, "RIDERS_IN_MERGE", "always")
+    out = paged_decode_attention(query, [src, buffer], 0.1, backend="triton")
+    assert launches == {"_paged_partial_kernel": 2, "_merge_kernel": 1, "_rider_merge_kernel": 1}
+    ref = paged_decode_attention_torch(query, [src, buffer], 0.1)
+    torch.testing.assert_close(out.float(), ref.float(), atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out.float(), default.float(), atol=1e-2, rtol=0)  # the merge's sum order only
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # the empty row: zeros, no NaN
+
+
+def test_short_sources_move_to_the_merge_only_beside_another_launch(monkeypatch):
+    long, short = make_source("dense", [70], 1, 64), make_source("dense", [5], 1, 64, bs=15)
+    assert launch.merge_riders([long, short], 0, False) == []  # the buffer rides on the long source's program
+    assert launch.merge_riders([short], 3, False) == [0]  # beside the CUDA kernel's partials
+    assert launch.merge_riders([short], 3, True) == []  # scores are written by the partial kernel only
+    monkeypatch.setattr(launch, "RIDERS_IN_MERGE", "always")
+    assert launch.merge_riders([long, short], 0, False) == [1] and launch.merge_riders([short], 0, False) == []
+    monkeypatch.setattr(launch, "RIDERS_IN_MERGE", "never")
+    assert launch.merge_riders([short], 3, False) == []
+
+
 @pytest.mark.parametrize("width", [64, 16])
 def test_merge_by_whole_rows_or_channel_slices(width, monkeypatch):
     """The merge takes a whole row's channels per program, or slices of them: the same attention."""

@@ -1,4 +1,4 @@
-"""The three Triton kernels of the paged decode attention.
+"""The Triton kernels of the paged decode attention.
 
 1. :func:`_paged_partial_kernel`: a program per (row, KV head, split of a source's tokens)
    decodes a tile of keys and values where they lie (:mod:`.decode`), scores every query
@@ -6,7 +6,8 @@
    softmax; it writes a partial output and its log-sum-exp. All sources run in one
    launch; short sources (the buffer) ride on a program of a long one.
 2. :func:`_merge_kernel` combines the partial results of all splits of all sources by
-   their log-sum-exp.
+   their log-sum-exp; :func:`_rider_merge_kernel` does so after computing the short
+   sources' partials itself, where the long ones ran in the CUDA kernel's launch.
 3. :func:`_mass_kernel` (``mass``, one launch per source) turns the slots' logits, which
    the partial kernel wrote in the same pass, into probabilities against the merged
    log-sum-exp, averages them over the query heads and adds them to each slot's channel.
@@ -230,6 +231,46 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, D: tl.constexpr,
     store_out_tl(out_ptr + pid * D + d, acc / tl.maximum(total, 1e-30), d < D, OUT)
     tl.store(final_lse_ptr + pid, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")),
              mask=first == 0)
+
+
+@jit
+def _rider_merge_kernel(q_ptr, part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, qk_scale, sources,
+                        CONSTS: tl.constexpr, NSRC: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+                        GP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, GM: tl.constexpr,
+                        PREC: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr):
+    """One (row, KV head): the partial attention of the short sources (the recent buffer),
+    written where the merge reads it, then the merge of all ``S`` partial results of the
+    group's query heads. Where the long sources run in a launch of their own (the CUDA
+    kernel), this is the buffer's partial launch and the merge in one launch. Sources as in
+    :func:`_paged_partial_kernel`, one split each; the merge takes the group's ``G`` query
+    heads in ``GM`` rows (the partial's ``GP`` are padded for the tensor cores)."""
+    for i in tl.static_range(NSRC):
+        src = sources[i]
+        _source_partial(q_ptr, part_ptr, lse_ptr, part_ptr, src[0], src[1], src[2], src[3], src[4], src[5],
+                        src[6], src[7], src[8], src[9], src[10], src[11], 0, 1, src[14], S, src[15], 0, qk_scale,
+                        src[16], CONSTS[i][0], CONSTS[i][1], CONSTS[i][2], CONSTS[i][3], CONSTS[i][4], CONSTS[i][5],
+                        CONSTS[i][6], CONSTS[i][7], CONSTS[i][8], CONSTS[i][9], CONSTS[i][10], CONSTS[i][11],
+                        H, G, GP, D, CONSTS[i][12], CONSTS[i][13], CONSTS[i][14], CONSTS[i][15],
+                        False, PREC, OUT, NATIVE)
+    tl.debug_barrier()  # the partials this program wrote, visible to all its threads
+    pid = tl.program_id(0)
+    g = tl.arange(0, GM)
+    gm = g < G
+    qrow = ((pid // H) * (H * G) + (pid % H) * G + g).to(tl.int64)
+    s = tl.arange(0, SP)
+    lse = tl.load(lse_ptr + qrow[:, None] * S + s[None, :], mask=gm[:, None] & (s[None, :] < S),
+                  other=float("-inf"))
+    m = tl.max(lse, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2(lse - m_safe[:, None]), 1)
+    d = tl.arange(0, D)
+    acc = tl.zeros([GM, D], tl.float32)
+    for j in range(0, S):
+        w = tl.exp2(tl.load(lse_ptr + qrow * S + j, mask=gm, other=float("-inf")) - m_safe)
+        acc += tl.load(part_ptr + (qrow * S + j)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0) * w[:, None]
+    store_out_tl(out_ptr + qrow[:, None] * D + d[None, :], acc / tl.maximum(total, 1e-30)[:, None], gm[:, None], OUT)
+    tl.store(final_lse_ptr + qrow, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")),
+             mask=gm)
 
 
 @jit

@@ -21,7 +21,7 @@ from ..layout import OUT_KINDS, out_buffer
 from ..triton_shim import cdiv, interpreted, next_pow2
 from .formats import EXACT_FORMATS, FORMATS, KVOperand, PagedSource
 from . import native as native_kernel
-from .kernels import SOURCE_CONSTS, _mass_kernel, _merge_kernel, _paged_partial_kernel
+from .kernels import SOURCE_CONSTS, _mass_kernel, _merge_kernel, _paged_partial_kernel, _rider_merge_kernel
 
 
 # Launch shape of the partial kernel: (tokens per tile, warps). One warp on 32-token tiles keeps
@@ -45,6 +45,12 @@ MERGE_WARPS = 1  # whole op; 64 x 4K: 1-2% slower sliced, so large batches merge
 WARPS = 2  # of the attention-mass kernel (the merge's: MERGE_WARPS)
 STAGES = 3  # software-pipelining depth of the partial kernel's loads (Triton's default)
 MAX_REGISTERS = None  # registers per thread of the partial kernel (None: the compiler's choice)
+# Where the short sources (the recent buffer) run when the long ones are not in the Triton
+# partial launch: "native" (default), computed by the merge launch when the CUDA kernel read the
+# long ones, so the buffer costs no launch of its own; "always" also beside long Triton sources
+# (CPU tests exercise the kernel that way); "never" (each in a partial launch).
+RIDERS_IN_MERGE = "native"
+RIDER_MERGE_CONSTS = ("CONSTS", "NSRC", "H", "G", "GP", "D", "PREC", "OUT", "NATIVE")
 LOG2E = 1.4426950408889634
 NATIVE_TILE = 32  # tokens per loop step of the CUDA kernel (native_nvfp4.cu)
 
@@ -125,10 +131,13 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str =
     scores = probs or mass is not None
     built, native_plans, first = _native_plans(q, sources, scores, native)
     rest = [s for i, s in enumerate(sources) if i not in native_plans]
+    in_merge = merge_riders(rest, first, scores)
+    riders = [s for i, s in enumerate(rest) if i in in_merge]
+    rest = [s for i, s in enumerate(rest) if i not in in_merge]
     if rest:
         args, consts = _partial_launch(q, rest, scores)
         programs, tuples, kwargs, count = _plan_launch(q, rest, args, consts, cols, first)
-    total = first + (count if rest else 0)
+    total = first + (count if rest else 0) + len(riders)
     part = torch.empty(B, Hq, total, D, dtype=torch.float32, device=device)
     lse = torch.empty(B, Hq, total, dtype=torch.float32, device=device)  # every split writes its own
     logits = torch.empty(B, Hq, cols if scores else 1, device=device)  # the splits cover every column
@@ -138,9 +147,19 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str =
         _paged_partial_kernel[(B * H, programs)](q, part, lse, logits, total, cols, scaling * LOG2E, tuples, **kwargs)
     out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
     final = torch.empty(B, Hq, dtype=torch.float32, device=device)
-    width = merge_width(B * Hq, D, device)
-    _merge_kernel[(B * Hq, cdiv(D, width))](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=width,
-                                            OUT=kind, CHUNK=MERGE_CHUNK, num_warps=MERGE_WARPS)
+    if riders:
+        args, consts = _partial_launch(q, riders, False)
+        no_extent = device_constant((0,), device, torch.int64)  # never read (EXTENT off)
+        tuples = tuple(a + (src.tokens, 0, 1, total - len(riders) + i, 0,
+                            no_extent if src.extent is None else src.extent)
+                       for i, (a, src) in enumerate(zip(args, riders)))
+        _rider_merge_kernel[(B * H,)](q, part, lse, dst, final, total, scaling * LOG2E, tuples,
+                                      SP=next_pow2(total), GM=next_pow2(Hq // H), num_warps=TILE_SHAPE[1],
+                                      **{k: consts[k] for k in RIDER_MERGE_CONSTS})
+    else:
+        width = merge_width(B * Hq, D, device)
+        _merge_kernel[(B * Hq, cdiv(D, width))](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=width,
+                                                OUT=kind, CHUNK=MERGE_CHUNK, num_warps=MERGE_WARPS)
     if mass is not None:
         weight = mass[1].float().contiguous()
         col0 = 0
@@ -252,6 +271,20 @@ def merge_width(pairs: int, D: int, device: torch.device) -> int:
     if pairs >= MERGE_ROWS or device.type != "cuda":
         return whole
     return min(whole, MERGE_SLICE)
+
+
+def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool) -> list[int]:
+    """Indices of the short sources in ``rest`` (the sources the Triton partial kernel would
+    run) that :func:`~.kernels._rider_merge_kernel` computes in the merge launch instead: the
+    recent buffer beside pools the CUDA kernel read, which would otherwise need a partial
+    launch of its own (``RIDERS_IN_MERGE``: ``"native"``; ``"always"`` also where long
+    sources stay in the Triton launch, ``"never"``). Not when scores are written."""
+    small = [i for i, s in enumerate(rest) if small_source(s)]
+    if scores or not small or RIDERS_IN_MERGE == "never":
+        return []
+    if native_partials > 0 or (RIDERS_IN_MERGE == "always" and len(small) < len(rest)):
+        return small
+    return []
 
 
 def small_source(src: PagedSource) -> bool:
