@@ -64,8 +64,11 @@ class StaticDecoder:
         self.cache = cache
         B = next_positions.shape[0]
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=next_positions.device)
-        self.positions = next_positions.clone()  # [B, 1], as generate computes them from the mask
-        self.cache_position = torch.full((1,), columns, dtype=torch.long, device=next_positions.device)
+        # the rows' positions ([B, 1], as generate computes them from the mask) and the cache
+        # position ([1]) in one tensor: a step advances both with one kernel
+        self.counters = torch.cat([next_positions.reshape(B).long(), next_positions.new_full((1,), columns)])
+        self.positions = self.counters[:B].view(B, 1)
+        self.cache_position = self.counters[B:]
         self.graphs = graphs
         self.captured: dict[tuple[bool, bool, bool], tuple] = {}  # StepPlan.graph_key -> graph, logits
         self.warm: set[tuple[bool, bool, bool]] = set()
@@ -132,8 +135,7 @@ class StaticDecoder:
             self.replays += plain
         self.eviction_steps += plan.evict
         self.refresh_steps += plan.refresh and not plan.evict
-        self.positions += 1
-        self.cache_position += 1
+        self.counters += 1  # positions and cache position
         if self.profile:
             self._events.append((kind, began, _recorded_event()))
         return logits
