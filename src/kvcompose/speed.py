@@ -284,7 +284,8 @@ def decode_time_split(summary: dict) -> dict:
 
     ``one_time_s``: each graph variant's eager first run and its first replay, which a fresh
     cache pays once (the capture's own host work falls between the events: it shows in the
-    wall time only). ``steady_ms_per_step``: GPU time per step without those (None if no
+    wall time only, and in ``capture_host_s``); ``one_time_ms_by_step`` splits it by kind and
+    graph variant. ``steady_ms_per_step``: GPU time per step without those (None if no
     other step ran). ``eviction_share``: the eager, eviction and refresh steps' time beyond a
     plain replayed step's, over the steady steps' time; ``replay_gpu_ms``: a plain replay."""
     ms, steps = summary["ms_by_kind"], summary["steps_by_kind"]
@@ -299,6 +300,8 @@ def decode_time_split(summary: dict) -> dict:
         evict_ms_per_step=ms.get("evict", 0.0) / max(steps.get("evict", 0), 1),
         replay_gpu_ms=step_ms, host_ms_per_replay=summary["host_ms_per_replay"],
         one_time_s=sum(ms.get(k, 0.0) for k in one_time) / 1e3,
+        one_time_ms_by_step=summary.get("one_time_ms_by_step", {}),
+        capture_host_s=summary.get("capture_host_s"),
         steady_ms_per_step=decode_ms / decode_steps if decode_steps else None,
         host_share=summary["host_ms_per_replay"] / max(step_ms, 1e-9),
     )

@@ -7,7 +7,7 @@ from conftest import SHORT_RUN_EVICTION, char_tokenizer, greedy, left_padded
 from sync_guard import HostSyncError, forced_step_kernels, no_host_sync
 from kvcompose import Policy
 from kvcompose.hf.static import STEP_RANGE, fast_generate
-from kvcompose.runtime.schedule import Schedule, static_capacity
+from kvcompose.runtime.schedule import Schedule, StepPlan, static_capacity
 
 # Small budgets and periods so that every trigger fires within a short run.
 POLICIES = {
@@ -491,7 +491,6 @@ def test_static_capacity_covers_what_tbe_cannot_evict(llama):
 def test_a_graph_variants_eager_first_run_is_filed_as_one_time_work():
     """The first run of an eviction or refresh graph is eager warm-up, not an eviction step's cost."""
     from kvcompose.hf.static import step_kind
-    from kvcompose.runtime.schedule import StepPlan
 
     evict, refresh, plain = StepPlan(False, False, evict=True), StepPlan(False, False, refresh=True), StepPlan(True, False)
     assert [step_kind(p, False, False, True) for p in (evict, refresh, plain)] == ["warm-up"] * 3
@@ -501,14 +500,24 @@ def test_a_graph_variants_eager_first_run_is_filed_as_one_time_work():
     assert [step_kind(p, False, False, False) for p in (evict, refresh, plain)] == ["evict", "refresh", "plain"]
 
 
+def test_one_time_work_is_named_by_graph_variant():
+    from kvcompose.hf.static import _variant
+
+    assert _variant(StepPlan(False, False)) == "plain"
+    assert _variant(StepPlan(True, False, evict=True)) == "flush+evict"
+    assert _variant(StepPlan(False, False, refresh=True)) == "refresh"
+
+
 def test_decode_time_split_leaves_one_time_work_out_of_the_steady_rate():
     from kvcompose.speed import decode_time_split
 
+    by_step = {"warm-up plain": 100.0, "warm-up evict": 200.0, "capture plain": 10.0, "capture evict": 20.0}
     summary = {"ms_by_kind": {"warm-up": 300.0, "capture": 30.0, "replay": 900.0, "evict": 60.0},
                "steps_by_kind": {"warm-up": 2, "capture": 2, "replay": 90, "evict": 2},
-               "replays": 90, "host_ms_per_replay": 0.5}
+               "replays": 90, "host_ms_per_replay": 0.5, "one_time_ms_by_step": by_step, "capture_host_s": 0.2}
     split = decode_time_split(summary)
-    assert split["one_time_s"] == pytest.approx(0.33)
+    assert split["one_time_s"] == pytest.approx(0.33) == sum(by_step.values()) / 1e3
+    assert split["one_time_ms_by_step"] == by_step and split["capture_host_s"] == 0.2
     assert split["steady_ms_per_step"] == pytest.approx(960.0 / 92)
     assert split["replay_gpu_ms"] == pytest.approx(10.0)
     assert split["eviction_share"] == pytest.approx((60.0 - 2 * 10.0) / 960.0)

@@ -79,10 +79,11 @@ class StaticDecoder:
         self.replays = 0  # replays of plain decode steps (not the ones that captured their graph)
         # profile (CUDA): events around every step by kind, and the host's own time per replayed step
         self.profile = profile
-        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event, str]] = []  # kind, span, variant
         self._host_s = 0.0
         self.started = time.perf_counter()  # the prefill is done on the device (fast_generate read its flags)
         self.replay_call_s = 0.0
+        self.capture_host_s = 0.0  # the host's time in graph captures (between the profile's events)
 
     def _forward(self) -> torch.Tensor:
         out = self.model(input_ids=self.ids, position_ids=self.positions, cache_position=self.cache_position,
@@ -121,7 +122,9 @@ class StaticDecoder:
             logits = self._forward()
         else:
             if first:  # capturing (host work between the profile's events), then the first replay: one-time work
+                captured = time.perf_counter()
                 self.captured[key] = self._capture()
+                self.capture_host_s += time.perf_counter() - captured
             graph, logits = self.captured[key]
             if self.profile:
                 began = _recorded_event()
@@ -137,7 +140,7 @@ class StaticDecoder:
         self.refresh_steps += plan.refresh and not plan.evict
         self.counters += 1  # positions and cache position
         if self.profile:
-            self._events.append((kind, began, _recorded_event()))
+            self._events.append((kind, began, _recorded_event(), _variant(plan)))
         return logits
 
     def note_host(self, seconds: float) -> None:
@@ -147,17 +150,24 @@ class StaticDecoder:
 
     def summary(self) -> dict:
         """Steps by kind and, when profiling, milliseconds of decode time and steps by the
-        kinds of :func:`step_kind`, and host milliseconds per replayed plain step."""
+        kinds of :func:`step_kind`, host milliseconds per replayed plain step, the one-time
+        work's milliseconds by kind and graph variant (``"warm-up evict"``) and the host's
+        seconds in graph captures."""
         out = {"fused": self.fused, "eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps,
                "refresh_steps": self.refresh_steps, "replays": self.replays}
         if self.profile and self._events:
             torch.cuda.synchronize()
             ms: dict[str, float] = {}
             steps: dict[str, int] = {}
-            for kind, began, ended in self._events:
+            one_time: dict[str, float] = {}
+            for kind, began, ended, variant in self._events:
                 ms[kind] = ms.get(kind, 0.0) + began.elapsed_time(ended)
                 steps[kind] = steps.get(kind, 0) + 1
+                if kind in ("warm-up", "capture"):
+                    one_time[f"{kind} {variant}"] = one_time.get(f"{kind} {variant}", 0.0) + began.elapsed_time(ended)
             out["ms_by_kind"] = ms
+            out["one_time_ms_by_step"] = one_time
+            out["capture_host_s"] = self.capture_host_s
             out["steps_by_kind"] = steps
             out["host_ms_per_replay"] = 1e3 * self._host_s / max(self.replays, 1)
         return out
@@ -194,6 +204,11 @@ class StaticDecoder:
 #: only where another decoder still holds graphs (its run did not reach
 #: :meth:`StaticDecoder.release_graphs`).
 _CAPTURING: "weakref.WeakSet[StaticDecoder]" = weakref.WeakSet()
+
+
+def _variant(plan: StepPlan) -> str:
+    """The graph variant of a step, as :meth:`StaticDecoder.summary` names one-time work."""
+    return "+".join(name for name, on in zip(("flush", "evict", "refresh"), plan.graph_key) if on) or "plain"
 
 
 def _recorded_event() -> torch.cuda.Event:
