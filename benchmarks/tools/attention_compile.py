@@ -70,6 +70,16 @@ def main(argv=None) -> int:
                                     warps)
         print(f"merge, {warps} warps, {width} channels: {len(kernel.asm['cubin'])} bytes of cubin")
         count += 1
+    for group in (1, 4):  # the buffer's partial and the merge, beside the CUDA kernel's partial results
+        sig, consts = partial_variant("dense", "dense", "bf16", "fp32", 0, group, 128, False, launch.SMALL_TILE,
+                                      buffer=False)
+        consts = dict(consts, CONSTS=(consts["CONSTS"][0][:-3] + (launch.SMALL_TILE, launch.SMALL_STAGES, True),))
+        sig = {"q_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32",
+               "S": "i32", "qk_scale": "fp32", "sources": sig["sources"]}
+        merge = {k: consts[k] for k in launch.RIDER_MERGE_CONSTS}
+        kernel = compile_for_hopper(kernels._rider_merge_kernel, sig, dict(merge, SP=16, GM=group), launch.TILE_SHAPE[1])
+        print(f"buffer and merge, G={group}: {len(kernel.asm['cubin'])} bytes of cubin")
+        count += 1
     sig = {"logit_ptr": "*fp32", "lse_ptr": "*fp32", "table_ptr": "*i64", "valid_ptr": "*u8", "mass_ptr": "*fp32",
            "weight_ptr": "*fp32", "W": "i32", "tokens": "i32", "col0": "i32", "total_cols": "i32"}
     kernel = compile_for_hopper(kernels._mass_kernel, sig, dict(HQ=32, HP=32, BS=16, BLOCK=launch.MASS_BLOCK), launch.WARPS)

@@ -308,6 +308,11 @@ def test_cuda_host_time_leaves_out_the_graph_capture(monkeypatch):
     replays = summary["replays"]  # 23 steps less warm-ups, captures and the buffer flushes' own graph
     assert replays >= 10
     assert summary["host_ms_per_replay"] < 250 / replays  # half of what the capture's 500 ms would add
+    captures = summary["steps_by_kind"]["capture"]
+    assert summary["capture_host_s"] >= 0.5 * captures  # the sleeps, where the GPU events do not see them
+    assert {"warm-up plain", "capture plain"} <= set(summary["one_time_ms_by_step"])
+    assert sum(summary["one_time_ms_by_step"].values()) == pytest.approx(
+        summary["ms_by_kind"]["warm-up"] + summary["ms_by_kind"]["capture"])
 
 
 def test_speed_times_the_steps_it_says_and_evicts_exactly_past_the_budget(llama):

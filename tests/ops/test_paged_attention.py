@@ -173,25 +173,31 @@ def test_mixed_formats_holes_and_buffer_in_one_call(monkeypatch):
     assert launches == {"_paged_partial_kernel": 1, "_merge_kernel": 1}
 
 
-@pytest.mark.parametrize("fmt", ["dense", "nvfp4", "int"])
-@pytest.mark.parametrize("group", [1, 4])
-def test_the_merge_launch_computes_the_buffer_itself(fmt, group, monkeypatch):
+@pytest.mark.parametrize("fmt,group,dtype", [("dense", 1, torch.bfloat16), ("nvfp4", 3, torch.bfloat16),
+                                              ("int", 4, torch.float32), ("nvfp4", 7, torch.float16)])
+def test_the_merge_launch_computes_the_buffer_itself(fmt, group, dtype, monkeypatch):
     """Where the long sources run in a launch of their own (the CUDA kernel's), the merge launch
     computes the short ones (the recent buffer, its extent, an empty row) before merging: the
-    reference's attention, and the default path's, in one launch less."""
+    reference's attention, and the default path's, in one launch less. The long source's 300
+    columns take two splits, so the merge pads its partial results to a power of two."""
     launches = count_launches(monkeypatch, kernels._paged_partial_kernel, kernels._merge_kernel,
                               kernels._rider_merge_kernel)
-    src = make_source(fmt, [50, 0, 90], 2, 64, holes=True, seed=7)
-    buffer = with_extent(make_source("dense", [5, 0, 15], 2, 64, bs=15, seed=8), [5, 0, 15])
-    query = torch.randn(3, 2 * group, 1, 64, generator=torch.Generator().manual_seed(group)).to(torch.bfloat16)
-    default = paged_decode_attention(query, [src, buffer], 0.1, backend="triton")
+    src = make_source(fmt, [300, 0, 90], 2, 64, dtype=dtype, holes=True, seed=7)
+    buffer = make_source("dense", [5, 0, 15], 2, 64, dtype=dtype, bs=15, seed=8)
+    cut = with_extent(buffer, [5, 0, 10])  # the extent leaves row 2's last 5 written slots out
+    valid = buffer.valid.clone()
+    valid[buffer.slots()[2, 10:15]] = False
+    without = PagedSource(buffer.key, buffer.value, buffer.table, buffer.block_size, valid)
+    query = torch.randn(3, 2 * group, 1, 64, generator=torch.Generator().manual_seed(group)).to(dtype)
+    default = paged_decode_attention(query, [src, cut], 0.1, backend="triton")
     assert launches == {"_paged_partial_kernel": 1, "_merge_kernel": 1}
     monkeypatch.setattr(launch, "RIDERS_IN_MERGE", "always")
-    out = paged_decode_attention(query, [src, buffer], 0.1, backend="triton")
+    out = paged_decode_attention(query, [src, cut], 0.1, backend="triton")
     assert launches == {"_paged_partial_kernel": 2, "_merge_kernel": 1, "_rider_merge_kernel": 1}
-    ref = paged_decode_attention_torch(query, [src, buffer], 0.1)
-    torch.testing.assert_close(out.float(), ref.float(), atol=1.6e-2, rtol=1.6e-2)
-    torch.testing.assert_close(out.float(), default.float(), atol=1e-2, rtol=0)  # the merge's sum order only
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    ref = paged_decode_attention_torch(query, [src, without], 0.1)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), default.float(), atol=tol, rtol=0)  # the merge's sum order only
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # the empty row: zeros, no NaN
 
 

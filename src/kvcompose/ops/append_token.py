@@ -151,7 +151,8 @@ def _ring_launch(ring, keys) -> tuple[tuple, dict]:
 
 def append_token_torch(keys, values, buf_k, buf_v, meta, buf_len, tokens_seen, column, cls, overflow,
                        nonfinite, ring=None) -> torch.Tensor:
-    """Reference of :func:`append_token` in torch ops."""
+    """Reference of :func:`append_token` in torch ops (the ring slot is row 0's column: every
+    row's is the same in static mode, where the ring is written)."""
     B, cap = buf_k.shape[:2]
     rows = torch.arange(B, device=keys.device)
     at = buf_len.clamp(max=cap - 1)

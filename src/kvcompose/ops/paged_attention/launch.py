@@ -131,7 +131,7 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str =
     scores = probs or mass is not None
     built, native_plans, first = _native_plans(q, sources, scores, native)
     rest = [s for i, s in enumerate(sources) if i not in native_plans]
-    in_merge = merge_riders(rest, first, scores)
+    in_merge = merge_riders(rest, first, scores) if merge_width(B * Hq, D, device) == next_pow2(D) else []
     riders = [s for i, s in enumerate(rest) if i in in_merge]
     rest = [s for i, s in enumerate(rest) if i not in in_merge]
     if rest:
@@ -278,7 +278,9 @@ def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool) ->
     run) that :func:`~.kernels._rider_merge_kernel` computes in the merge launch instead: the
     recent buffer beside pools the CUDA kernel read, which would otherwise need a partial
     launch of its own (``RIDERS_IN_MERGE``: ``"native"``; ``"always"`` also where long
-    sources stay in the Triton launch, ``"never"``). Not when scores are written."""
+    sources stay in the Triton launch, ``"never"``). Not when scores are written, and not
+    where the merge slices channels (few rows, many splits: one program per (row, KV head)
+    walking every split would idle the GPU; :func:`paged_decode_triton` checks that)."""
     small = [i for i, s in enumerate(rest) if small_source(s)]
     if scores or not small or RIDERS_IN_MERGE == "never":
         return []
