@@ -38,27 +38,27 @@ from kvcompose.hf.static import STEP_RANGE, fast_generate
 from kvcompose.speed import random_prompts
 
 
-def kernel_times(model, policy, ids, mask, steps: int) -> dict[str, tuple[float, float]]:
+def kernel_times(model, policy, ids, mask, steps: int) -> tuple[dict[str, tuple[float, float]], tuple]:
     """``{kernel: (calls per step, microseconds per step)}`` of the decode steps alone: a run
     of ``steps + 2`` new tokens minus one of 2 (the prefill, the stores' static capacity and
-    one decode step in both)."""
-    run = _profiled(model, policy, ids, mask, steps + 2)
-    prefill = _profiled(model, policy, ids, mask, 2)
+    one decode step in both); and the longer run's :func:`plain_step_launches`."""
+    run = _profile(model, policy, ids, mask, steps + 2)
+    calls_us = _by_kernel(run, ids.is_cuda)
+    prefill = _by_kernel(_profile(model, policy, ids, mask, 2), ids.is_cuda)
     out = {}
-    for name, (calls, us) in run.items():
+    for name, (calls, us) in calls_us.items():
         calls0, us0 = prefill.get(name, (0, 0.0))
         if us - us0 > 0:
             out[name] = ((calls - calls0) / steps, (us - us0) / steps)
-    return out
+    return out, plain_step_launches(run, ids.is_cuda)
 
 
-def _profile(model, policy, ids, mask, new: int, cpu: bool = False):
+def _profile(model, policy, ids, mask, new: int):
+    """``torch.profiler`` over a run without CUDA graphs: the device's kernels and the host's calls."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = ids.is_cuda
-    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    if cpu and cuda:
-        activities.append(ProfilerActivity.CPU)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     cache = policy.make_cache(model)
     with profile(activities=activities) as prof:
         fast_generate(model, cache, ids, mask, new, graphs=False)
@@ -67,10 +67,10 @@ def _profile(model, policy, ids, mask, new: int, cpu: bool = False):
     return prof
 
 
-def _profiled(model, policy, ids, mask, new: int) -> dict[str, tuple[int, float]]:
-    cuda = ids.is_cuda
+def _by_kernel(prof, cuda: bool) -> dict[str, tuple[int, float]]:
+    """``{kernel: (calls, microseconds)}`` (CPU: operators and their own time)."""
     totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    for event in _profile(model, policy, ids, mask, new).key_averages():
+    for event in prof.key_averages():
         us = event.self_device_time_total if cuda else event.self_cpu_time_total
         if us > 0 and (not cuda or event.device_type == torch.autograd.DeviceType.CUDA):
             totals[event.key][0] += event.count
@@ -82,14 +82,14 @@ def _profiled(model, policy, ids, mask, new: int) -> dict[str, tuple[int, float]
 LAUNCHES = ("cudaLaunch", "cuLaunch", "cudaMemcpy", "cudaMemset")
 
 
-def plain_step_launches(model, policy, ids, mask, steps: int) -> tuple[int, float | None]:
+def plain_step_launches(prof, cuda: bool) -> tuple[int, float | None]:
     """``(plain steps, launches per plain step)``: the host's launch calls inside the ranges
-    the static decoder names plain steps (no eviction, refresh or flush), without CUDA graphs. The kernel count of :func:`kernel_times` averages in every step's share of the
-    periodic work; this is the step that runs between them. CPU: ``(steps, None)``."""
-    prof = _profile(model, policy, ids, mask, steps + 2, cpu=True)
+    the static decoder names plain steps (no eviction, refresh or flush). The kernel count of
+    :func:`kernel_times` averages in every step's share of the periodic work; this is the
+    step that runs between them. CPU: ``(steps, None)``."""
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     plain = [e.time_range for e in events if e.name == STEP_RANGE + "plain"]
-    if not ids.is_cuda:
+    if not cuda:
         return len(plain), None
     starts = sorted(e.time_range.start for e in events if e.name.startswith(LAUNCHES))
     inside = sum(bisect.bisect_right(starts, r.end) - bisect.bisect_left(starts, r.start) for r in plain)
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     for name in [p for p in args.policies.split(",") if p]:
         policy = make_policy(name, 32 if args.smoke else args.budget, args.smoke)
         fast_generate(model, policy.make_cache(model), ids, mask, 8)  # compile every kernel first
-        kernels = kernel_times(model, policy, ids, mask, args.new_tokens)
+        kernels, (plain_steps, plain_launches) = kernel_times(model, policy, ids, mask, args.new_tokens)
         total = sum(us for _, us in kernels.values())
         calls = sum(c for c, _ in kernels.values())
         layers = model.config.num_hidden_layers
@@ -169,7 +169,6 @@ def main(argv=None) -> int:
         print(f"\n{name}, batch {args.batch}: {total / 1e3:.2f} ms of {'kernels' if device == 'cuda' else 'CPU operators'}"
               f" per decode step, {calls:.0f} launches ({calls / layers:.1f} per layer)", flush=True)
         print(format_table(["kernel" if device == "cuda" else "operator", "calls/step", "us/step", "%"], rows))
-        plain_steps, plain_launches = plain_step_launches(model, policy, ids, mask, args.new_tokens)
         if plain_launches is not None:
             print(f"plain step ({plain_steps} of them): {plain_launches:.0f} launches "
                   f"({plain_launches / layers:.1f} per layer)", flush=True)
