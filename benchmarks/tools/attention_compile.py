@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_sass import compile_for_hopper  # noqa: E402
 
+from kvcompose.ops import rotate_rows  # noqa: E402
 from kvcompose.ops.paged_attention import formats, kernels, launch  # noqa: E402
 
 # (key format, value format, codes dtype, scale dtype, bits)
@@ -77,9 +78,16 @@ def main(argv=None) -> int:
         sig = {"q_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32",
                "S": "i32", "qk_scale": "fp32", "sources": sig["sources"]}
         merge = {k: consts[k] for k in launch.RIDER_MERGE_CONSTS}
-        kernel = compile_for_hopper(kernels._rider_merge_kernel, sig, dict(merge, SP=16, GM=group), launch.TILE_SHAPE[1])
+        kernel = compile_for_hopper(kernels._rider_merge_kernel, sig, dict(merge, SP=16, GM=group),
+                                    launch.TILE_SHAPE[1])
         print(f"buffer and merge, G={group}: {len(kernel.asm['cubin'])} bytes of cubin")
         count += 1
+    sig = {**{f"x{i}_ptr": "*bf16" for i in range(3)}, **{f"o{i}_ptr": "*i16" for i in range(3)},
+           "sign_ptr": "*bf16", "m_ptr": "*bf16", **{f"s{i}{d}": "i32" for i in range(3) for d in "bh"}}
+    kernel = compile_for_hopper(rotate_rows._rotate_rows_kernel, sig, dict(H=8, G0=4, G1=1, G2=1, D=128, R=16,
+                                                                          SIGNS_FIRST=True, OUT=1, LOW=True), 4)
+    print(f"rotation of a step's queries, keys and values: {len(kernel.asm['cubin'])} bytes of cubin")
+    count += 1
     sig = {"logit_ptr": "*fp32", "lse_ptr": "*fp32", "table_ptr": "*i64", "valid_ptr": "*u8", "mass_ptr": "*fp32",
            "weight_ptr": "*fp32", "W": "i32", "tokens": "i32", "col0": "i32", "total_cols": "i32"}
     kernel = compile_for_hopper(kernels._mass_kernel, sig, dict(HQ=32, HP=32, BS=16, BLOCK=launch.MASS_BLOCK), launch.WARPS)

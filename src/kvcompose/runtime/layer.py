@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..paging import LayerStore
+from ..ops.rotate_rows import rotate_rows, rotate_rows_fits
 from ..rotations import SignedProduct, rotate
 from .attention import dense_attention, paged_attention
 from .compression import compress, compress_in_place
@@ -48,7 +49,7 @@ class LayerRuntime:
         rotation = self._rotation(key)
         if rotation is not None:  # stored, scored and attended rotated; the output is turned back
             forward, back, gain = rotation
-            query, key, value = rotate(query, forward), rotate(key, forward), rotate(value, forward)
+            query, key, value = _rotated([query, key, value], forward)
             scaling = scaling / gain  # (q S)(k S)^T = gain q k^T
         self.scaling = scaling
         plan = self.cache.step_plan
@@ -71,7 +72,7 @@ class LayerRuntime:
         else:
             self._after_eager_step(query, view, positions, scaling, evict=not in_place)
         if rotation is not None:
-            out = rotate(out, back)
+            out = _rotated([out], back)[0]
         return out.transpose(1, 2).contiguous()
 
     def _rotation(self, key: torch.Tensor):
@@ -215,6 +216,15 @@ class LayerRuntime:
         window = self.queries.shape[2]
         order = (self.store.column[:1] + torch.arange(window, device=self.queries.device)) % window
         return self.queries.index_select(2, order), self.query_positions.index_select(1, order)
+
+
+def _rotated(tensors: list[torch.Tensor], matrices) -> list[torch.Tensor]:
+    """``tensors`` rotated by ``matrices``: a decode step's in one launch where the rotation is a
+    :class:`~kvcompose.rotations.SignedProduct` and the kernel runs (CUDA), else one
+    :func:`~kvcompose.rotations.rotate` each."""
+    if isinstance(matrices, SignedProduct) and rotate_rows_fits(tensors, matrices.signs):
+        return rotate_rows(tensors, matrices.signs, matrices.matrix, matrices.signs_first)
+    return [rotate(t, matrices) for t in tensors]
 
 
 def _exact_form(m: torch.Tensor, dtype: torch.dtype, device) -> tuple:
