@@ -52,6 +52,15 @@ def test_the_output_turned_back(dtype):
     torch.testing.assert_close(again, out, atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("signs_first", [True, False])
+def test_any_shared_matrix_and_signs(signs_first):
+    """Not only the (symmetric) Hadamard matrix: a random one, random signs per KV head."""
+    g = torch.Generator().manual_seed(11)
+    product = SignedProduct(torch.randint(0, 2, (H, D), generator=g).float() * 2 - 1,
+                            torch.randn(D, D, generator=g), signs_first)
+    check(step_tensors(3, torch.float32), product)
+
+
 def test_what_the_launch_does_not_take_goes_to_torch():
     signs = signed_product(torch.float32).signs
     q, k, v = step_tensors(4, torch.float32)
@@ -60,6 +69,10 @@ def test_what_the_launch_does_not_take_goes_to_torch():
     assert not rotate_rows_fits([torch.randn(B, H, 5, D)], signs, backend="triton")  # a prefill's tokens
     assert not rotate_rows_fits([q, k.double(), v], signs, backend="triton")  # one dtype per launch
     assert not rotate_rows_fits([q, k, v, v], signs, backend="triton")  # three tensors at most
+    wide = torch.randn(B, H, 1, 256)
+    assert not rotate_rows_fits([wide], torch.ones(H, 256), backend="triton")  # its fp32 matrix: 256 KiB
+    assert not rotate_rows_fits([wide.bfloat16()], torch.ones(H, 256), backend="triton")  # and in bf16: 128 KiB
+    assert rotate_rows_fits([q.bfloat16(), k.bfloat16()], signs, backend="triton")
 
 
 @pytest.mark.gpu

@@ -18,6 +18,10 @@ from .layout import OUT_KINDS, store_out_tl
 from .triton_shim import interpreted, jit, next_pow2, tl
 
 
+#: The largest matrix a program of the kernel holds (shared memory, with room to spare on sm_80+).
+MATRIX_BYTES = 64 * 1024
+
+
 @jit
 def _rotate_rows_kernel(x0_ptr, x1_ptr, x2_ptr, o0_ptr, o1_ptr, o2_ptr, sign_ptr, m_ptr,
                         s0b, s0h, s1b, s1h, s2b, s2h,
@@ -66,12 +70,15 @@ def _rotate_rows_kernel(x0_ptr, x1_ptr, x2_ptr, o0_ptr, o1_ptr, o2_ptr, sign_ptr
 
 def rotate_rows_fits(tensors: list[torch.Tensor], signs: torch.Tensor, backend: str | None = None) -> bool:
     """Whether :func:`rotate_rows` takes these: decode shapes ``[B, H * G, 1, D]`` (at most three
-    tensors, one dtype), a power-of-two head dim of at least 16, and a device the kernel runs on."""
+    tensors, one dtype), a power-of-two head dim of at least 16 whose matrix fits
+    :data:`MATRIX_BYTES`, and a device the kernel runs on."""
     x = tensors[0]
     D, H = x.shape[-1], signs.shape[0]
     shapes = all(t.dim() == 4 and t.shape[2] == 1 and t.shape[0] == x.shape[0] and t.shape[3] == D
                  and t.shape[1] % H == 0 and t.dtype == x.dtype and t.stride(3) == 1 for t in tensors)
-    fits = shapes and len(tensors) <= 3 and D == next_pow2(D) and D >= 16 and x.dtype in OUT_KINDS
+    # each program holds the [D, D] matrix in shared memory (D = 128: 64 KiB in fp32, 32 KiB in bf16)
+    small = D * D * (4 if x.dtype == torch.float32 else 2) <= MATRIX_BYTES
+    fits = shapes and len(tensors) <= 3 and D == next_pow2(D) and D >= 16 and x.dtype in OUT_KINDS and small
     return fits and step_kernel_runs(x, _rotate_rows_kernel, backend)
 
 

@@ -242,5 +242,5 @@ def _exact_form(m: torch.Tensor, dtype: torch.dtype, device) -> tuple:
         row_signs, shared = row_signs.to(device=device, dtype=dtype), shared.to(device=device, dtype=dtype)
         forward = SignedProduct(row_signs, shared, signs_first=True)
         back = forward.transposed()
-        return forward, SignedProduct(back.signs, back.matrix / D, back.signs_first), float(D)
+        return forward, SignedProduct(back.signs, (back.matrix / D).contiguous(), back.signs_first), float(D)
     return s.to(device=device, dtype=dtype), (s.transpose(-1, -2) / D).to(device=device, dtype=dtype), float(D)
