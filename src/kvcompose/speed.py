@@ -29,7 +29,7 @@ import traceback
 import torch
 
 from .hf.compat import cache_kwargs
-from .hf.static import fast_generate
+from .hf.static import ONE_TIME_KINDS, fast_generate
 from .policies import Policy
 
 
@@ -289,7 +289,7 @@ def decode_time_split(summary: dict) -> dict:
     other step ran). ``eviction_share``: the eager, eviction and refresh steps' time beyond a
     plain replayed step's, over the steady steps' time; ``replay_gpu_ms``: a plain replay."""
     ms, steps = summary["ms_by_kind"], summary["steps_by_kind"]
-    one_time, special = ("warm-up", "capture"), ("eager", "evict", "refresh")
+    one_time, special = ONE_TIME_KINDS, ("eager", "evict", "refresh")
     step_ms = ms.get("replay", 0.0) / max(summary["replays"], 1)
     decode_ms = max(sum(ms.values()) - sum(ms.get(k, 0.0) for k in one_time), 1e-9)
     decode_steps = sum(steps.values()) - sum(steps.get(k, 0) for k in one_time)

@@ -29,6 +29,8 @@ from .model_check import check_model
 
 #: Name of a decode step's range in ``torch.profiler`` traces, followed by its :func:`step_kind`.
 STEP_RANGE = "kvcompose decode step: "
+#: The kinds of :func:`step_kind` that a fresh cache pays once per graph variant.
+ONE_TIME_KINDS = ("warm-up", "capture")
 
 
 def step_kind(plan: StepPlan, replay: bool, first: bool, graphs: bool) -> str:
@@ -161,10 +163,11 @@ class StaticDecoder:
             steps: dict[str, int] = {}
             one_time: dict[str, float] = {}
             for kind, began, ended, variant in self._events:
-                ms[kind] = ms.get(kind, 0.0) + began.elapsed_time(ended)
+                elapsed = began.elapsed_time(ended)
+                ms[kind] = ms.get(kind, 0.0) + elapsed
                 steps[kind] = steps.get(kind, 0) + 1
-                if kind in ("warm-up", "capture"):
-                    one_time[f"{kind} {variant}"] = one_time.get(f"{kind} {variant}", 0.0) + began.elapsed_time(ended)
+                if kind in ONE_TIME_KINDS:
+                    one_time[f"{kind} {variant}"] = one_time.get(f"{kind} {variant}", 0.0) + elapsed
             out["ms_by_kind"] = ms
             out["one_time_ms_by_step"] = one_time
             out["capture_host_s"] = self.capture_host_s
