@@ -10,6 +10,7 @@ group (:mod:`kvcompose.distributed`), so all ranks keep the same tokens.
 
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
@@ -42,6 +43,7 @@ def load_tensor_parallel(path: str, dtype: torch.dtype | str | None = None, **kw
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        atexit.register(_close_group)
     if world == 1:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device}, **kwargs)
     else:
@@ -50,3 +52,16 @@ def load_tensor_parallel(path: str, dtype: torch.dtype | str | None = None, **kw
     model.eval()
     model.set_attn_implementation("kvcompose")
     return model
+
+
+def _close_group() -> None:
+    """Close the group this module started before the interpreter tears down.
+
+    Left to interpreter shutdown, gloo's worker threads can be destroyed while still
+    joinable, and the rank then aborts after its work is done ("terminate called without
+    an active exception"), failing the whole ``torchrun``.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
