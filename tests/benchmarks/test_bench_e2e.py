@@ -1,6 +1,6 @@
 """The end-to-end benchmark on CPU: its bookkeeping (adding its run to the JSON history), its
 scenarios, and a ``--smoke --device cpu`` run whose records carry the floor and the ratios.
-Scenario c's batch search is :mod:`kvcompose.speed`'s (tests/hf/test_static_decode.py)."""
+Scenario c's batch search is :mod:`kvcompose.speed`'s (tests/hf/test_decode_timing.py)."""
 
 import argparse
 import json
