@@ -65,3 +65,28 @@ def test_the_source_digest_names_the_code_that_ran(monkeypatch, tmp_path):
     (tmp_path / "src" / "a.py").write_text("x = 1\n")
     (tmp_path / "src" / "notes.txt").write_text("not code")
     assert source_digest(tmp_path) == first
+
+
+def test_the_cpu_bench_appends_a_labelled_run_of_kvcompose_bench(monkeypatch, tmp_path):
+    from conftest import tiny_model
+
+    from kvcompose import models, speed
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_cpu
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    monkeypatch.setattr(models, "load", lambda *args, **kwargs: (model, None))
+    monkeypatch.setattr(speed, "copy_tbps", lambda device: 0.02)  # a 2 GiB copy on a CPU takes half a minute
+    out = tmp_path / "cpu_bench_smollm2.json"
+    small = ["--", "--batch", "2", "--prompt", "12", "--new-tokens", "4"]
+    assert bench_cpu.main(["--run", "first", "--presets", "fullkv", "--out", str(out), *small]) == 0
+    assert bench_cpu.main(["--run", "second", "--presets", "fullkv,nvfp4", "--out", str(out), *small]) == 0
+    assert bench_cpu.main(["--run", "bad", "--presets", "nosuch", "--out", str(out), *small]) == 2
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "cpu_bench_smollm2" and [r["run"] for r in data["runs"]] == ["first", "second"]
+    second = data["runs"][1]
+    assert [r["preset"] for r in second["runs"]] == ["transformers-static", "fullkv", "nvfp4"]
+    assert second["batch"] == 2 and second["new_tokens"] == 4 and second["environment"]["gpu"] is None
+    assert second["run_id"].startswith(second["environment"]["date"])
