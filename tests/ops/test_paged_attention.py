@@ -173,8 +173,18 @@ def test_mixed_formats_holes_and_buffer_in_one_call(monkeypatch):
     assert launches == {"_paged_partial_kernel": 1, "_merge_kernel": 1}
 
 
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
+def test_groups_wider_than_sixteen_query_heads(fmt):
+    """Multi-query layouts (24 query heads on one KV head): every head of the group gets a row
+    of the query tile, the dense buffer's launch included."""
+    sources = [make_source(fmt, [40, 70], 1, 64, seed=4), make_source("dense", [5, 9], 1, 64, bs=15, seed=5)]
+    check_close(torch.randn(2, 24, 1, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16), sources)
+    check_close(torch.randn(2, 24, 1, 64).to(torch.bfloat16), sources[1:])  # the buffer alone
+
+
 @pytest.mark.parametrize("fmt,group,dtype", [("dense", 1, torch.bfloat16), ("nvfp4", 3, torch.bfloat16),
-                                              ("int", 4, torch.float32), ("nvfp4", 7, torch.float16)])
+                                              ("int", 4, torch.float32), ("nvfp4", 7, torch.float16),
+                                              ("nvfp4", 24, torch.bfloat16)])
 def test_the_merge_launch_computes_the_buffer_itself(fmt, group, dtype, monkeypatch):
     """Where the long sources run in a launch of their own (the CUDA kernel's), the merge launch
     computes the short ones (the recent buffer, its extent, an empty row) before merging: the

@@ -256,11 +256,11 @@ def _plan_launch(q: torch.Tensor, sources: list[PagedSource], args: list[tuple],
 def query_rows(group: int, dense: bool) -> int:
     """Rows of the partial kernel's query tile for a GQA group: the group rounded up to a power
     of two, which Triton pads to the tensor cores' 16 rows itself; 16 rows of our own where
-    the launch's longest source is ``dense``. Measured on
-    an H200 (G = 4, one launch with the buffer): the group's 4 rows made fp8, nvfp4,
-    ternary and KIVI-2 3-13% faster (less shared memory and fewer registers, more programs
-    per SM), int4 within 3%, and dense bf16 3-4% slower."""
-    return 16 if dense else next_pow2(group)
+    the launch's longest source is ``dense`` (more where the group is larger: every query head
+    of the group must have a row). Measured on an H200 (G = 4, one launch with the buffer):
+    the group's 4 rows made fp8, nvfp4, ternary and KIVI-2 3-13% faster (less shared memory
+    and fewer registers, more programs per SM), int4 within 3%, and dense bf16 3-4% slower."""
+    return max(16, next_pow2(group)) if dense else next_pow2(group)
 
 
 def merge_width(pairs: int, D: int, device: torch.device) -> int:
