@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         sig = {"q_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32",
                "S": "i32", "qk_scale": "fp32", "sources": sig["sources"]}
         merge = {k: consts[k] for k in launch.RIDER_MERGE_CONSTS}
-        kernel = compile_for_hopper(kernels._rider_merge_kernel, sig, dict(merge, SP=16, GM=group),
+        kernel = compile_for_hopper(kernels._rider_merge_kernel, sig, dict(merge, SP=16, CHUNK=launch.MERGE_CHUNK),
                                     launch.TILE_SHAPE[1])
         print(f"buffer and merge, G={group}: {len(kernel.asm['cubin'])} bytes of cubin")
         count += 1

@@ -207,15 +207,22 @@ def _source_partial(
 @jit
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, D: tl.constexpr, SP: tl.constexpr,
                   DP: tl.constexpr, OUT: tl.constexpr, CHUNK: tl.constexpr):
-    """Combine the ``S`` partial results of one (row, query head) by their log2-sum-exp, for
-    the ``DP`` output channels from ``program_id(1) * DP`` on: the weights from all ``S``
-    log-sum-exps at once, the outputs ``CHUNK`` splits at a time (a ``[S, D]`` tile in
-    registers spilled from 64 splits on). Slicing the channels over programs keeps the GPU
-    busy when there are few rows and many splits (batch 1, long rows)."""
-    pid = tl.program_id(0).to(tl.int64)
-    first = tl.program_id(1) * DP
+    """Combine the ``S`` partial results of one (row, query head) (see :func:`_merge_row`), for
+    the ``DP`` output channels from ``program_id(1) * DP`` on. Slicing the channels over
+    programs keeps the GPU busy when there are few rows and many splits (batch 1, long rows)."""
+    _merge_row(part_ptr, lse_ptr, out_ptr, final_lse_ptr, tl.program_id(0).to(tl.int64), S, tl.program_id(1) * DP,
+               D, SP, DP, OUT, CHUNK)
+
+
+@jit
+def _merge_row(part_ptr, lse_ptr, out_ptr, final_lse_ptr, qrow, S, first, D: tl.constexpr, SP: tl.constexpr,
+               DP: tl.constexpr, OUT: tl.constexpr, CHUNK: tl.constexpr):
+    """Combine the ``S`` partial results of query row ``qrow`` by their log2-sum-exp, for the
+    ``DP`` output channels from ``first`` on: the weights from all ``S`` log-sum-exps at once,
+    the outputs ``CHUNK`` splits at a time (a ``[S, D]`` tile in registers spilled from 64
+    splits on); the row's merged log2-sum-exp is written by its first slice."""
     s = tl.arange(0, SP)
-    lse = tl.load(lse_ptr + pid * S + s, mask=s < S, other=float("-inf"))
+    lse = tl.load(lse_ptr + qrow * S + s, mask=s < S, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2(lse - m_safe), 0)
@@ -224,26 +231,25 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, D: tl.constexpr,
     acc = tl.zeros([DP], tl.float32)
     for s0 in range(0, S, CHUNK):
         inside = s0 + c < S
-        w = tl.exp2(tl.load(lse_ptr + pid * S + s0 + c, mask=inside, other=float("-inf")) - m_safe)
-        o = tl.load(part_ptr + (pid * S + s0 + c[:, None]) * D + d[None, :], mask=inside[:, None] & (d[None, :] < D),
+        w = tl.exp2(tl.load(lse_ptr + qrow * S + s0 + c, mask=inside, other=float("-inf")) - m_safe)
+        o = tl.load(part_ptr + (qrow * S + s0 + c[:, None]) * D + d[None, :], mask=inside[:, None] & (d[None, :] < D),
                     other=0.0)
         acc += tl.sum(o * w[:, None], 0)
-    store_out_tl(out_ptr + pid * D + d, acc / tl.maximum(total, 1e-30), d < D, OUT)
-    tl.store(final_lse_ptr + pid, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")),
+    store_out_tl(out_ptr + qrow * D + d, acc / tl.maximum(total, 1e-30), d < D, OUT)
+    tl.store(final_lse_ptr + qrow, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")),
              mask=first == 0)
 
 
 @jit
 def _rider_merge_kernel(q_ptr, part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, qk_scale, sources,
                         CONSTS: tl.constexpr, NSRC: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-                        GP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, GM: tl.constexpr,
-                        PREC: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr):
+                        GP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, PREC: tl.constexpr,
+                        OUT: tl.constexpr, NATIVE: tl.constexpr, CHUNK: tl.constexpr):
     """One (row, KV head): the partial attention of the short sources (the recent buffer),
-    written where the merge reads it, then the merge of all ``S`` partial results of the
-    group's query heads. Where the long sources run in a launch of their own (the CUDA
-    kernel), this is the buffer's partial launch and the merge in one launch. Sources as in
-    :func:`_paged_partial_kernel`, one split each; the merge takes the group's ``G`` query
-    heads in ``GM`` rows (the partial's ``GP`` are padded for the tensor cores)."""
+    written where the merge reads it, then the merge of all ``S`` partial results of each of
+    the group's ``G`` query heads, as :func:`_merge_kernel` merges one. Where the long sources
+    run in a launch of their own (the CUDA kernel), this is the buffer's partial launch and the
+    merge in one launch. Sources as in :func:`_paged_partial_kernel`, one split each."""
     for i in tl.static_range(NSRC):
         src = sources[i]
         _source_partial(q_ptr, part_ptr, lse_ptr, part_ptr, src[0], src[1], src[2], src[3], src[4], src[5],
@@ -254,23 +260,9 @@ def _rider_merge_kernel(q_ptr, part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, qk_
                         False, PREC, OUT, NATIVE)
     tl.debug_barrier()  # the partials this program wrote, visible to all its threads
     pid = tl.program_id(0)
-    g = tl.arange(0, GM)
-    gm = g < G
-    qrow = ((pid // H) * (H * G) + (pid % H) * G + g).to(tl.int64)
-    s = tl.arange(0, SP)
-    lse = tl.load(lse_ptr + qrow[:, None] * S + s[None, :], mask=gm[:, None] & (s[None, :] < S),
-                  other=float("-inf"))
-    m = tl.max(lse, 1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse - m_safe[:, None]), 1)
-    d = tl.arange(0, D)
-    acc = tl.zeros([GM, D], tl.float32)
-    for j in range(0, S):
-        w = tl.exp2(tl.load(lse_ptr + qrow * S + j, mask=gm, other=float("-inf")) - m_safe)
-        acc += tl.load(part_ptr + (qrow * S + j)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0) * w[:, None]
-    store_out_tl(out_ptr + qrow[:, None] * D + d[None, :], acc / tl.maximum(total, 1e-30)[:, None], gm[:, None], OUT)
-    tl.store(final_lse_ptr + qrow, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")),
-             mask=gm)
+    group = ((pid // H) * (H * G) + (pid % H) * G).to(tl.int64)
+    for g in tl.static_range(G):
+        _merge_row(part_ptr, lse_ptr, out_ptr, final_lse_ptr, group + g, S, 0, D, SP, D, OUT, CHUNK)
 
 
 @jit

@@ -154,7 +154,7 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str =
                             no_extent if src.extent is None else src.extent)
                        for i, (a, src) in enumerate(zip(args, riders)))
         _rider_merge_kernel[(B * H,)](q, part, lse, dst, final, total, scaling * LOG2E, tuples,
-                                      SP=next_pow2(total), GM=next_pow2(Hq // H), num_warps=TILE_SHAPE[1],
+                                      SP=next_pow2(total), CHUNK=MERGE_CHUNK, num_warps=TILE_SHAPE[1],
                                       **{k: consts[k] for k in RIDER_MERGE_CONSTS})
     else:
         width = merge_width(B * Hq, D, device)
