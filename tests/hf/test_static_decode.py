@@ -205,6 +205,9 @@ def test_capacity_follows_the_trigger():
     # tbe keeps the prompt and at least 4 tokens of every completed segment: 31 + 12 x 4 = 79 > budget 40
     thinkv = Policy.from_preset("thinkv", budget=40, refresh=8, block_size=4, group_size=4)
     assert static_capacity(thinkv, 31, 100) == 79 + 8 + 4
+    # the newest 30 tokens are never evicted either (thinkv-int keeps a share of its budget whole)
+    assert static_capacity(Policy.from_preset("thinkv", budget=40, refresh=8, block_size=4, group_size=4,
+                                              protect_recent=30), 31, 100) == 79 + 30 + 8 + 4
 
 
 def test_a_prompt_cut_at_the_prefill_reserves_the_budget_not_the_prompt(llama):
@@ -352,3 +355,15 @@ def test_static_capacity_covers_what_tbe_cannot_evict(llama):
     static.check_errors()
     assert torch.equal(expected, got)
     assert int(eager.layers[0].store.live_tokens().max()) > 40  # the eager path keeps more than the budget too
+
+
+def test_static_capacity_covers_the_protected_newest_tokens(llama):
+    """thinkv-int's layout: TBE under a budget whose newest two thirds are never evicted, on a
+    run longer than the budget (prompt + protected tokens + step-downs pass the budget)."""
+    policy = Policy.from_preset("thinkv-int", budget=48, refresh=8, block_size=4, group_size=4,
+                                precision={"R": None, "E": None, "T": None})
+    _, ids, mask = left_padded([20, 13, 31])
+    expected, got, eager, static = _run_both(llama, policy, ids, mask, 60)
+    static.check_errors()
+    assert torch.equal(expected, got)
+    assert int(eager.layers[0].store.live_tokens().max()) > 48

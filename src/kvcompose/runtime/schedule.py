@@ -34,8 +34,8 @@ class StepPlan:
 def static_capacity(policy, prompt_columns: int, max_new_tokens: int, kept: int | None = None) -> int:
     """Tokens per row and region that static decode reserves: the whole sequence for policies
     without a bound, else the budget (or what the prefill kept, or what the evictor cannot
-    remove, if larger) plus what the trigger lets a row gain before it acts, plus one buffer
-    group. ``kept``: the most tokens a row holds after the prefill (slots written and buffered;
+    remove, if larger, its protected newest tokens included) plus what the trigger lets a row
+    gain before it acts, plus one buffer group. ``kept``: the most tokens a row holds after the prefill (slots written and buffered;
     default: the whole prompt), so that a prompt the policy already cut to its budget reserves
     the budget, not the prompt."""
     full = prompt_columns + max_new_tokens
@@ -46,6 +46,8 @@ def static_capacity(policy, prompt_columns: int, max_new_tokens: int, kept: int 
     if head is None:
         return full
     floor = policy.evictor.min_kept(prompt_columns, max_new_tokens, policy.refresh)
+    if floor:  # a floor of the evictor's own (TBE's): the protected newest tokens stay whole on top of it
+        floor += policy.recent_tokens
     start = prompt_columns if kept is None else kept
     return min(full, max(start, policy.budget, floor) + head + policy.group_size)
 
