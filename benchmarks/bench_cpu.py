@@ -24,6 +24,7 @@ from harness.results import append_run, result_path  # noqa: E402
 from kvcompose.cli import main as kvcompose  # noqa: E402
 
 DEFAULT_PRESETS = "fullkv,nvfp4,kivi2,kivi4,thinkv,thinkv-int,fp8"
+RECORD_SETTINGS = ["--batch", "16", "--prompt", "512", "--new-tokens", "256"]  # arguments after -- override them
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     with tempfile.TemporaryDirectory() as tmp:
         one_run = Path(tmp) / "bench.json"
-        code = kvcompose(["bench", "--threads", str(args.threads), "--presets", args.presets,
+        code = kvcompose(["bench", "--threads", str(args.threads), "--presets", args.presets, *RECORD_SETTINGS,
                           "--json", str(one_run), *extra])
         if code:
             return code
