@@ -35,9 +35,9 @@ def static_capacity(policy, prompt_columns: int, max_new_tokens: int, kept: int 
     """Tokens per row and region that static decode reserves: the whole sequence for policies
     without a bound, else the budget (or what the prefill kept, or what the evictor cannot
     remove, if larger, its protected newest tokens included) plus what the trigger lets a row
-    gain before it acts, plus one buffer group. ``kept``: the most tokens a row holds after the prefill (slots written and buffered;
-    default: the whole prompt), so that a prompt the policy already cut to its budget reserves
-    the budget, not the prompt."""
+    gain before it acts, plus one buffer group. ``kept``: the most tokens a row holds after the
+    prefill (slots written and buffered; default: the whole prompt), so that a prompt the policy
+    already cut to its budget reserves the budget, not the prompt."""
     full = prompt_columns + max_new_tokens
     if policy.evictor is None or policy.budget is None:
         return full
