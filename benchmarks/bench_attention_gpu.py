@@ -39,7 +39,7 @@ from kvcompose.ops.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_torch,
 )
-from kvcompose.ops.paged_attention import native
+from kvcompose.ops.paged_attention import launch, native
 from kvcompose.ops.paged_attention.launch import NATIVE_TILE, TILE_SHAPE
 
 Q_HEADS, KV_HEADS, BLOCK, BUFFER = 32, 8, 16, 16
@@ -186,12 +186,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--kernels", nargs="*", default=["triton", "cuda"], choices=["triton", "cuda"],
                    help="cuda: the CUDA kernel, timed where it takes the format and is built")
+    p.add_argument("--riders-in-merge", choices=["native", "always", "never"], default=launch.RIDERS_IN_MERGE,
+                   help="where the recent buffer beside CUDA-read pools is computed (launch.RIDERS_IN_MERGE)")
     p.add_argument("--out", default=str(result_path("attention_gpu")), help="history file the run is added to")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention_gpu needs a CUDA GPU", file=sys.stderr)
         return 2
     log = ResultLog(args.out)
+    launch.RIDERS_IN_MERGE = args.riders_in_merge
     wall = time.perf_counter()
     status = native.native_status(torch.device("cuda"))
     print(f"CUDA kernel: {status['kernel']} ({status['reason']})", flush=True)
@@ -201,6 +204,7 @@ def main(argv=None) -> int:
     data = {"benchmark": "fused paged decode attention vs bf16 SDPA", "smoke": args.smoke,
             "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "block_size": BLOCK, "mixed": MIXED, "block_sizes": BLOCK_SIZES,
                        "buffer_tokens": BUFFER},
+            "riders_in_merge": args.riders_in_merge,
             "targets": TARGETS, "copy_tb_per_s": copy, "native_kernel": status, "results": results,
             "seconds": time.perf_counter() - wall}
     if not args.smoke:
