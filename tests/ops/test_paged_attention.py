@@ -216,6 +216,7 @@ def test_short_sources_move_to_the_merge_only_beside_another_launch(monkeypatch)
     assert launch.merge_riders([long, short], 0, False) == []  # the buffer rides on the long source's program
     assert launch.merge_riders([short], 3, False) == [0]  # beside the CUDA kernel's partials
     assert launch.merge_riders([short], 3, True) == []  # scores are written by the partial kernel only
+    assert launch.merge_riders([long, short], 3, False) == []  # long Triton sources beside the CUDA kernel's
     monkeypatch.setattr(launch, "RIDERS_IN_MERGE", "always")
     assert launch.merge_riders([long, short], 0, False) == [1] and launch.merge_riders([short], 0, False) == []
     monkeypatch.setattr(launch, "RIDERS_IN_MERGE", "never")

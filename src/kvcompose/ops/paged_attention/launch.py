@@ -280,11 +280,16 @@ def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool) ->
     launch of its own (``RIDERS_IN_MERGE``: ``"native"``; ``"always"`` also where long
     sources stay in the Triton launch, ``"never"``). Not when scores are written, and not
     where the merge slices channels (few rows, many splits: one program per (row, KV head)
-    walking every split would idle the GPU; :func:`paged_decode_triton` checks that)."""
+    walking every split would idle the GPU; :func:`paged_decode_triton` checks that).
+
+    Where long sources stay in the Triton launch (ThinKV's ternary and FP8 pools beside a
+    CUDA-read NVFP4 pool), the buffer rides on their programs instead: in the merge it made
+    that mixed store 2-16% slower on an H200 (``bench_attention_gpu.py --riders-in-merge``)."""
     small = [i for i, s in enumerate(rest) if small_source(s)]
     if scores or not small or RIDERS_IN_MERGE == "never":
         return []
-    if native_partials > 0 or (RIDERS_IN_MERGE == "always" and len(small) < len(rest)):
+    alone = len(small) == len(rest)  # the short sources would need a partial launch of their own
+    if (native_partials > 0 and alone) or (RIDERS_IN_MERGE == "always" and not alone):
         return small
     return []
 
