@@ -68,11 +68,14 @@ def _profile(model, policy, ids, mask, new: int):
 
 
 def _by_kernel(prof, cuda: bool) -> dict[str, tuple[int, float]]:
-    """``{kernel: (calls, microseconds)}`` (CPU: operators and their own time)."""
+    """``{kernel: (calls, microseconds)}`` (CPU: operators and their own time). The ranges the
+    static decoder names its steps (``record_function``) show on the device too, spanning the
+    step's kernels: they are not kernels and are left out."""
     totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for event in prof.key_averages():
         us = event.self_device_time_total if cuda else event.self_cpu_time_total
-        if us > 0 and (not cuda or event.device_type == torch.autograd.DeviceType.CUDA):
+        annotation = getattr(event, "is_user_annotation", False) or event.key.startswith(STEP_RANGE)
+        if us > 0 and not annotation and (not cuda or event.device_type == torch.autograd.DeviceType.CUDA):
             totals[event.key][0] += event.count
             totals[event.key][1] += us
     return {k: (c, us) for k, (c, us) in totals.items()}
