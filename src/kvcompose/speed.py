@@ -235,17 +235,24 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     as held: payload, scales, metadata, recent buffer) right after the prefill
     (``kv_live_bytes_after_prefill``, from a prefill-only run of the same prompts) and at the end
     of the timed run (``kv_live_bytes_at_end``). ``inspect``: called with the timed run's cache at
-    the end; the fields it returns are added to the record."""
+    the end; the fields it returns are added to the record. ``warm_up_s``: the wall time of the
+    untimed warm-up runs before it (``warm_up``), kernel compilation included."""
     if policy.needs_text:
         raise ValueError(f"policy {policy.name!r}: its {policy.needs_text} reads the generated text, so it decodes "
                          "eagerly; the speed benchmark times the static-shape path only")
     previous = model.config._attn_implementation
     model.set_attn_implementation("kvcompose")
     profile = ids.is_cuda
+    warm_up_s = 0.0
     try:
         if warm_up:
+            begun = time.perf_counter()
             fast_generate(model, warm_up_policy(policy).make_cache(model), ids, mask, 40)
-            fast_generate(model, policy.make_cache(model), ids, mask, 4)
+            # At the timed run's capacity: what is specialized on it (split counts of the attention
+            # plan, compiled graphs) compiles here, not in the timed run's first steps.
+            fast_generate(model, policy.make_cache(model), ids, mask, 4,
+                          reserve_new_tokens=new if reserve_new_tokens is None else reserve_new_tokens)
+            warm_up_s = time.perf_counter() - begun
         prefilled = policy.make_cache(model)
         fast_generate(model, prefilled, ids, mask, 1)  # the prefill alone: the cache as decoding starts
         after_prefill = prefilled.report().held_bytes["in_use"]
@@ -263,7 +270,7 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     out = record(ids.shape[0], new, ended - decoder.started if decoder else 0.0, report.peak_kv_bytes,
                  report.allocated_bytes)
     at_end = report.held_bytes["in_use"]
-    out.update(weight_bytes_per_step=weight_bytes_per_step(model, ids.shape[0]),
+    out.update(warm_up_s=warm_up_s, weight_bytes_per_step=weight_bytes_per_step(model, ids.shape[0]),
                kv_live_bytes_after_prefill=after_prefill, kv_live_bytes_at_end=at_end,
                kv_bytes_read_per_step=(after_prefill + at_end) / 2)
     summary = decoder.summary() if decoder is not None else {"eager_steps": 0, "replays": 0}

@@ -72,6 +72,25 @@ def test_speed_times_the_steps_it_says_and_evicts_exactly_past_the_budget(llama)
     assert llama.config._attn_implementation == "kvcompose"  # both restore the attention implementation
 
 
+def test_the_warm_up_compiles_at_the_timed_runs_capacity(llama, monkeypatch):
+    """Kernels and graphs specialized on the stores' capacity compile before the timed run, for
+    every policy alike: the first policy of a benchmark must not pay the compiles the later ones reuse."""
+    from kvcompose import speed
+
+    calls = []
+    real = speed.fast_generate
+    monkeypatch.setattr(speed, "fast_generate", lambda model, cache, ids, mask, new, **kw: calls.append(
+        (cache.policy.budget, new, kw.get("reserve_new_tokens"))) or real(model, cache, ids, mask, new, **kw))
+    ids, mask = speed.random_prompts(96, 2, 12, "cpu")
+    policy = Policy.from_preset("rkv", budget=32, trigger={"buffer": 8})
+    row = speed.time_policy(llama, policy, ids, mask, 20)
+    assert calls[1] == (32, 4, 20) and calls[-1] == (32, 20, None)  # the policy's warm-up reserves the timed 20
+    assert row["warm_up_s"] > 0
+    calls.clear()
+    assert speed.time_policy(llama, policy, ids, mask, 20, reserve_new_tokens=30)["warm_up_s"] > 0
+    assert calls[1] == (32, 4, 30) and calls[-1] == (32, 20, 30)
+
+
 def test_fixed_memory_runs_back_off_from_out_of_memory_and_the_cap():
     from kvcompose.speed import largest_batch, run_backing_off
 
