@@ -65,6 +65,9 @@ def record(batch: int, new: int, decode_s: float, kv_bytes: int, allocated: int)
 # ------------------------------------------------------------------ the floor
 #: Bytes :func:`copy_times_ms` copies per call by default (large enough to leave every cache behind).
 COPY_BYTES = 2 * 2**30
+#: Decode steps of a policy's warm-up at the timed capacity: past the presets' buffer flushes,
+#: evictions (buffer triggers of 128) and classifier refreshes (every 128 steps).
+WARM_UP_STEPS = 256
 
 #: How ``floor_ms_per_step`` is computed, as stored beside the records that carry it.
 FLOOR_METHOD = (
@@ -248,9 +251,9 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
         if warm_up:
             begun = time.perf_counter()
             fast_generate(model, warm_up_policy(policy).make_cache(model), ids, mask, 40)
-            # At the timed run's capacity: what is specialized on it (split counts of the attention
-            # plan, compiled graphs) compiles here, not in the timed run's first steps.
-            fast_generate(model, policy.make_cache(model), ids, mask, 4,
+            # At the timed run's capacity, long enough to reach the presets' periodic steps: what is
+            # specialized on it (split counts of the attention plan) compiles here, not in the timed run.
+            fast_generate(model, policy.make_cache(model), ids, mask, min(new, WARM_UP_STEPS),
                           reserve_new_tokens=new if reserve_new_tokens is None else reserve_new_tokens)
             warm_up_s = time.perf_counter() - begun
         prefilled = policy.make_cache(model)

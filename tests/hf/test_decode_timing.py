@@ -84,11 +84,15 @@ def test_the_warm_up_compiles_at_the_timed_runs_capacity(llama, monkeypatch):
     ids, mask = speed.random_prompts(96, 2, 12, "cpu")
     policy = Policy.from_preset("rkv", budget=32, trigger={"buffer": 8})
     row = speed.time_policy(llama, policy, ids, mask, 20)
-    assert calls[1] == (32, 4, 20) and calls[-1] == (32, 20, None)  # the policy's warm-up reserves the timed 20
+    assert calls[1] == (32, 20, 20) and calls[-1] == (32, 20, None)  # the policy's warm-up reserves the timed 20
     assert row["warm_up_s"] > 0
     calls.clear()
     assert speed.time_policy(llama, policy, ids, mask, 20, reserve_new_tokens=30)["warm_up_s"] > 0
-    assert calls[1] == (32, 4, 30) and calls[-1] == (32, 20, 30)
+    assert calls[1] == (32, 20, 30) and calls[-1] == (32, 20, 30)
+    monkeypatch.setattr(speed, "WARM_UP_STEPS", 8)
+    calls.clear()
+    speed.time_policy(llama, policy, ids, mask, 20)
+    assert calls[1] == (32, 8, 20)
 
 
 def test_fixed_memory_runs_back_off_from_out_of_memory_and_the_cap():
