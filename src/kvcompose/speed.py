@@ -65,9 +65,10 @@ def record(batch: int, new: int, decode_s: float, kv_bytes: int, allocated: int)
 # ------------------------------------------------------------------ the floor
 #: Bytes :func:`copy_times_ms` copies per call by default (large enough to leave every cache behind).
 COPY_BYTES = 2 * 2**30
-#: Decode steps of a policy's warm-up at the timed capacity: past the presets' buffer flushes,
-#: evictions (buffer triggers of 128) and classifier refreshes (every 128 steps).
-WARM_UP_STEPS = 256
+#: Decode steps of a policy's warm-up at the timed capacity, by device type: on CUDA past the
+#: presets' buffer flushes, evictions (buffer triggers of 128) and classifier refreshes (every
+#: 128 steps); the CPU path compiles nothing.
+WARM_UP_STEPS = {"cuda": 256, "cpu": 4}
 
 #: How ``floor_ms_per_step`` is computed, as stored beside the records that carry it.
 FLOOR_METHOD = (
@@ -252,8 +253,10 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
             begun = time.perf_counter()
             fast_generate(model, warm_up_policy(policy).make_cache(model), ids, mask, 40)
             # At the timed run's capacity, long enough to reach the presets' periodic steps: what is
-            # specialized on it (split counts of the attention plan) compiles here, not in the timed run.
-            fast_generate(model, policy.make_cache(model), ids, mask, min(new, WARM_UP_STEPS),
+            # specialized on it (split counts of the attention plan) compiles here, not in the timed
+            # run. The CPU path compiles nothing: a few steps do.
+            steps = min(new, WARM_UP_STEPS.get(ids.device.type, WARM_UP_STEPS["cpu"]))
+            fast_generate(model, policy.make_cache(model), ids, mask, steps,
                           reserve_new_tokens=new if reserve_new_tokens is None else reserve_new_tokens)
             warm_up_s = time.perf_counter() - begun
         prefilled = policy.make_cache(model)

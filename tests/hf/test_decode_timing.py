@@ -78,6 +78,7 @@ def test_the_warm_up_compiles_at_the_timed_runs_capacity(llama, monkeypatch):
     from kvcompose import speed
 
     calls = []
+    monkeypatch.setattr(speed, "WARM_UP_STEPS", {"cpu": 256})  # as long as on a GPU
     real = speed.fast_generate
     monkeypatch.setattr(speed, "fast_generate", lambda model, cache, ids, mask, new, **kw: calls.append(
         (cache.policy.budget, new, kw.get("reserve_new_tokens"))) or real(model, cache, ids, mask, new, **kw))
@@ -89,7 +90,7 @@ def test_the_warm_up_compiles_at_the_timed_runs_capacity(llama, monkeypatch):
     calls.clear()
     assert speed.time_policy(llama, policy, ids, mask, 20, reserve_new_tokens=30)["warm_up_s"] > 0
     assert calls[1] == (32, 20, 30) and calls[-1] == (32, 20, 30)
-    monkeypatch.setattr(speed, "WARM_UP_STEPS", 8)
+    monkeypatch.setattr(speed, "WARM_UP_STEPS", {"cpu": 8})
     calls.clear()
     speed.time_policy(llama, policy, ids, mask, 20)
     assert calls[1] == (32, 8, 20)
