@@ -5,6 +5,8 @@ import os
 import sys
 from pathlib import Path
 
+from kvcompose.hf.static import STEP_RANGE
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -23,8 +25,6 @@ def test_profile_decode_smoke_splits_a_step_by_operator(monkeypatch, tmp_path, c
     assert record["policy"] == "fullkv" and record["steps"] == 4 and record["ms_per_step"] > 0
     assert record["plain_steps"] >= 3 and record["launches_per_plain_step"] is None  # launches: CUDA only
     assert 0 < len(record["kernels"]) <= 5 and all(k["us_per_step"] > 0 for k in record["kernels"])
-    from kvcompose.hf.static import STEP_RANGE
-
     all_kernels = profile_decode.kernel_times(*_smoke_run(profile_decode), 2)[0]
     assert all_kernels and not [k for k in all_kernels if k.startswith(STEP_RANGE)]  # the step ranges are no kernels
     assert "fullkv, batch 2" in capsys.readouterr().out
