@@ -10,7 +10,7 @@ captured steps.
 
 Two measurements per (TP, policy):
 
-- **Same batch** (``--batch``, default 32; prompt ``--prompt`` 8,192 + ``--new`` 256 new
+- **Same batch** (``--batch``, default 64; prompt ``--prompt`` 8,192 + ``--new`` 256 new
   tokens, budget 1,024: a context of about 8.7K tokens): decode ms per step (rank 0's wall
   time from the first decode step, one-time graph work included, and its steady GPU time),
   tok/s, ``scaling_vs_tp1`` (tok/s over the same policy's at TP = 1), the per-rank floor
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", default="1,2,4", help="tensor-parallel degrees, each a torchrun of that many GPUs")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--kinds", default="same_batch,fixed_memory", help="same_batch, fixed_memory or both")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=64, help="same-batch rows (fullkv at TP = 1 needs about 86 GB)")
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--new", type=int, default=256, help="new tokens of the same-batch run (its timed window)")
     ap.add_argument("--budget", type=int, default=1024)
