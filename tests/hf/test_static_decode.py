@@ -222,6 +222,26 @@ def test_a_prompt_cut_at_the_prefill_reserves_the_budget_not_the_prompt(llama):
     assert reserved < ids.shape[1] < static_capacity(policy, ids.shape[1], 30)  # the prompt's reservation
 
 
+def test_each_region_reserves_what_it_holds_plus_the_tokens_to_come(llama, monkeypatch):
+    """ThinKV's classes split a long prompt: a class's region reserves what its fullest row has
+    written plus the tokens still to come (the new ones and the recent buffer), not the whole
+    sequence once per class, and the static path still decodes the eager tokens."""
+    from kvcompose.paging.region import Region
+
+    policy = Policy.from_preset("thinkv-tbq", block_size=4, group_size=4)  # no eviction: the whole sequence
+    _, ids, mask = left_padded([100, 70, 90])
+    expected, got, eager, static = _run_both(llama, policy, ids, mask, 12)
+    static.check_errors()
+    assert torch.equal(expected, got)
+    whole = -(-static_capacity(policy, ids.shape[1], 12) // 4)  # blocks per row for the whole sequence
+    widths = [r.table.shape[1] for r in static.layers[0].store.regions]
+    assert len(widths) == 3 and max(widths) <= whole and sum(widths) < 3 * whole
+    monkeypatch.setattr(Region, "width_to_come", lambda self, width, incoming: width)  # every region: everything
+    every = policy.make_cache(llama)
+    assert torch.equal(fast_generate(llama, every, ids, mask, 12)[:, ids.shape[1]:], expected)
+    assert static.report().allocated_bytes < every.report().allocated_bytes
+
+
 def test_static_path_refuses_what_it_cannot_run(llama):
     policy = Policy.from_preset("fullkv")
     _, ids, mask = left_padded([5, 7])

@@ -192,6 +192,15 @@ class Region:
         self.table[missing] = self.pool.allocate(int(missing.sum()))
         self.static = True
 
+    def width_to_come(self, width: int, incoming: int | None) -> int:
+        """``width`` blocks per row, or fewer where the row that has written the most slots
+        plus ``incoming`` more tokens (None: no bound) fits in fewer: a row writes its tokens
+        contiguously, refilling holes first, so it never needs a block past that (one host read)."""
+        if incoming is None or self.batch_size == 0:
+            return width
+        most = int(self.length.max()) + incoming
+        return min(width, -(-most // self.pool.block_size))
+
     def fixed_width(self, width: int) -> int:
         """The table width :meth:`fix_width` gives for ``width``: that many columns, or the
         current ones where a row still has a block beyond it (one host read)."""

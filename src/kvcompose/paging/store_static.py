@@ -28,17 +28,20 @@ class StoreStatic:
         and from then on :meth:`append_step` appends one token per row with fixed shapes, in place,
         without host synchronization: what a captured CUDA graph replays. ``columns_limit``: the
         most columns the run will have appended (evictors that keep per-segment state size it
-        from this instead of reading the device)."""
+        from this instead of reading the device); it also bounds what each region can still
+        receive, so a region that holds little of a long prompt (ThinKV's classes) reserves
+        what it holds plus the tokens still to come, not ``tokens``."""
         if self.static:
             raise ValueError("this store is already in static mode")
+        incoming = None if columns_limit is None else columns_limit - self.columns_seen + self.buffer_capacity
         for pool in self.pools.values():
             regions = [r for r in self.regions if r.pool is pool]
             width = -(-tokens // pool.block_size)
-            widths = [r.fixed_width(width) for r in regions]
+            widths = [r.fixed_width(r.width_to_come(width, incoming)) for r in regions]
             need = sum(w * self.batch_size - int((r.table[:, :w] >= 0).sum()) for w, r in zip(widths, regions))
             pool.fix_capacity(need)
-            for region in regions:
-                region.fix_width(width)
+            for region, w in zip(regions, widths):
+                region.fix_width(w)
         self._grow_buffer(self.buffer_capacity)
         # each row's next column (equal across rows): the append kernel advances them itself
         self.column = torch.full((self.batch_size,), self.columns_seen, dtype=torch.long, device=self.device)
