@@ -52,6 +52,7 @@ def test_fused_layers_give_the_unfused_tokens(monkeypatch, preset):
         assert summary["eviction_steps"] > 0  # an eviction inside a fused step
     ops = {str(node.target) for graph in backend.graphs for node in graph.graph.nodes}
     assert any("rsqrt" in op for op in ops)  # the norms were compiled...
+    assert any("cos" in op for op in ops)  # ...and the rotary embedding, which runs outside the layers...
     assert not any("kvcompose" in op for op in ops)  # ...and the kvcompose attention ran outside the graphs
     # one product for query, key and value, one for gate and up: their stacked weights' rows
     config = model.config
@@ -62,17 +63,20 @@ def test_fused_layers_give_the_unfused_tokens(monkeypatch, preset):
             2 * config.intermediate_size} <= rows
     assert config.num_key_value_heads * head_dim not in rows  # no key or value product of its own
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)  # the model's own layers again
+    assert fusion.step_modules(model) == [model.model.rotary_emb, model.model.norm]
+    assert all("forward" not in m.__dict__ for m in fusion.step_modules(model))
 
 
 def test_fused_layers_are_restored_when_a_step_fails(monkeypatch):
     model = _model()
     layers = model.model.layers
 
+    modules = list(layers) + fusion.step_modules(model)
     with pytest.raises(RuntimeError, match="boom"):
         with fusion.fused_layers(model, backend=RecordingBackend()):
-            assert all("forward" in layer.__dict__ for layer in layers)
+            assert all("forward" in m.__dict__ for m in modules)
             raise RuntimeError("boom")
-    assert all("forward" not in layer.__dict__ for layer in layers)
+    assert all("forward" not in m.__dict__ for m in modules)
 
 
 def test_a_compile_failure_names_the_way_out():

@@ -8,6 +8,9 @@ and costs its launch, so together they took about a third of a step's GPU time. 
 the decoder layer's ``forward`` lets inductor fuse that pointwise and reduction work into a few
 kernels while the matrix products stay the same cuBLAS calls.
 
+The decoder's rotary embedding and its final norm run once per step outside the layers; they
+are compiled the same way (:func:`step_modules`), a kernel each instead of about seven.
+
 The cache update and the kvcompose attention are opaque to the compiler
 (``torch.compiler.disable``): each layer's forward compiles into the graphs before and after
 them, and our store, kernels and policy run unchanged in between. The layer index each layer
@@ -55,10 +58,20 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return layers
 
 
+def step_modules(model) -> list[torch.nn.Module]:
+    """The decoder's modules that run once per step outside its layers and fuse on their own:
+    the rotary embedding (positions to cos and sin: a product, a concatenation, two
+    transcendentals and casts) and the final norm, where the decoder has them."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    found = (getattr(decoder, name, None) for name in ("rotary_emb", "norm"))
+    return [m for m in found if isinstance(m, torch.nn.Module)]
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_forward(layer_class: type, backend=BACKEND):
-    """One compiled ``forward`` per decoder-layer class, shared by its layers (and by every
-    model of that class in the process, so a second generation compiles nothing new)."""
+    """One compiled ``forward`` per module class (decoder layer, rotary embedding, norm), shared
+    by its instances (and by every model of that class in the process, so a second generation
+    compiles nothing new)."""
     return torch.compile(layer_class.forward, backend=_with_merged_products(backend), dynamic=False)
 
 
@@ -78,9 +91,11 @@ def _with_merged_products(backend):
 
 @contextmanager
 def fused_layers(model, backend: str | None = None):
-    """Within the block, ``model``'s decoder layers run their compiled ``forward`` (``backend``:
-    default :data:`BACKEND`); they get their own back on exit, whatever happens."""
+    """Within the block, ``model``'s decoder layers and :func:`step_modules` run their compiled
+    ``forward`` (``backend``: default :data:`BACKEND`); they get their own back on exit, whatever
+    happens."""
     layers = decoder_layers(model)
+    modules = list(layers) + step_modules(model)
     backend = backend or BACKEND
     limits = dict(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT)
     if hasattr(torch._dynamo.config, "invalidate_compile_context_weakrefs"):
@@ -89,8 +104,8 @@ def fused_layers(model, backend: str | None = None):
         # refuse the model's weights (a `.to()` that swaps, loading with assign=True)
         limits["invalidate_compile_context_weakrefs"] = True
     with torch._dynamo.config.patch(**limits):
-        for layer in layers:
-            layer.forward = types.MethodType(compiled_forward(type(layer), backend), layer)
+        for module in modules:
+            module.forward = types.MethodType(compiled_forward(type(module), backend), module)
         try:
             with stacked_projections(layers):
                 yield
@@ -98,8 +113,8 @@ def fused_layers(model, backend: str | None = None):
             raise RuntimeError(f"could not compile {type(layers[0]).__name__} for a fused decode step ({exc}); "
                                "decode with fast_generate(..., fuse=False)") from exc
         finally:
-            for layer in layers:
-                layer.__dict__.pop("forward", None)
+            for module in modules:
+                module.__dict__.pop("forward", None)
 
 
 def default_fuse(device: torch.device) -> bool:
