@@ -103,7 +103,8 @@ def test_the_readme_speed_figures_are_the_jsons():
                 if r["scenario"] == scenario and r["run"] == label and r["policy"] != summarize.BASELINE}
 
     def span(values, digits=1):
-        return f"{min(values):.{digits}f}-{max(values):.{digits}f}x"
+        low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+        return f"{low}x" if low == high else f"{low}-{high}x"
 
     def named(run):
         """The presets of a run as the README lists them: "fullkv, fp8 and nvfp4"."""
