@@ -284,8 +284,9 @@ def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool) ->
 
     Where long sources stay in the Triton launch (ThinKV's ternary pool beside its CUDA-read
     NVFP4 pool), the buffer rides on their programs instead: in the merge it made the
-    benchmark's mixed store (ternary, NVFP4 and FP8 pools) up to 16% slower on an H200 (8% at 16 x 8K, 16% at head dim 64, even at
-    1 x 32K and 256 x 1K; ``bench_attention_gpu.py --riders-in-merge``)."""
+    benchmark's mixed store (ternary, NVFP4 and FP8 pools) up to 16% slower on an H200 (8%
+    at 16 x 8K, 16% at head dim 64, even at 1 x 32K and 256 x 1K;
+    ``bench_attention_gpu.py --riders-in-merge``)."""
     small = [i for i, s in enumerate(rest) if small_source(s)]
     if scores or not small or RIDERS_IN_MERGE == "never":
         return []
