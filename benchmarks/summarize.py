@@ -115,6 +115,15 @@ def _scenario_method(name: str, shape: dict, records: list[dict]) -> str:
     return text
 
 
+def _cold_runs(records: list[dict]) -> list[str]:
+    """Runs whose presets were timed after a warm-up at another capacity (records with
+    ``one_time_s`` but no ``warm_up_s``): kernels specialized on the capacity compiled in the
+    timed steps of the first preset that used them."""
+    timed = [r for r in records if r["policy"] != BASELINE and "one_time_s" in r]
+    runs = dict.fromkeys(r.get("run") for r in timed)
+    return [run for run in runs if not any("warm_up_s" in r for r in timed if r.get("run") == run)]
+
+
 def _uneven_runs(records: list[dict]) -> list[str]:
     """Runs whose baseline timed other steps than their presets (recorded before both sides
     timed the same steps)."""
@@ -193,6 +202,16 @@ def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None
                       "the same steps, the baseline was timed over fewer new tokens than the presets (the *new "
                       "tokens* column); its step costs the same at every step, as it spans its whole reserved cache.",
                       ""]
+        cold = _cold_runs([r for r, _ in records])
+        if cold:
+            spent = sorted({f"{r['one_time_s']:.1f}" for r, _ in records if r.get("run") in cold and "one_time_s" in r},
+                           key=float)
+            lines += [f"In run{'s' if len(cold) > 1 else ''} {', '.join(cold)}, recorded before the warm-up ran at "
+                      "the timed run's capacity, kernels specialized on that capacity compiled in the timed steps of "
+                      "the first preset that used them, and presets later in the run reused them: *ms/step* carries "
+                      f"that work ({'-'.join(dict.fromkeys([spent[0], spent[-1]]))} s of one-time work per preset "
+                      "in these records, "
+                      "graph captures included); *steady ms/step* leaves it out.", ""]
         if not records:
             lines += ["No run recorded yet.", ""]
             continue

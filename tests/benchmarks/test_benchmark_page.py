@@ -82,6 +82,24 @@ def test_end_to_end_tables_show_the_new_fields_and_a_dash_where_an_old_record_la
     assert page.count("No run recorded yet.") == 2  # scenarios a and c
 
 
+def test_runs_timed_before_the_warm_up_at_their_capacity_are_named_with_their_one_time_work():
+    summarize = _summarize()
+
+    def rec(policy, run, **fields):
+        return {"policy": policy, "scenario": "long", "run": run, "batch": 16, "new_tokens": 512, "ms_per_step": 10.0,
+                "tok_per_s": 1600.0, **fields}
+
+    records = [rec("transformers-static", "l1"), rec("fullkv", "l1", one_time_s=1.27),
+               rec("rkv", "l1", one_time_s=3.99), rec("fullkv", "l0"),  # before one-time work was recorded
+               rec("transformers-static", "l2"), rec("fullkv", "l2", one_time_s=0.15, warm_up_s=32.8)]
+    assert summarize._cold_runs(records) == ["l1"]
+    lines = []
+    summarize.e2e(lines, {}, [{"environment": {"gpu": "NVIDIA H200"}, "records": records}])
+    page = "\n".join(lines)
+    assert "In run l1, recorded before the warm-up ran at the timed run's capacity" in page
+    assert "(4.0 s of one-time work per preset in these records" in page  # l1's rkv: fullkv's newest is l2's
+
+
 def test_the_readme_speed_figures_are_the_jsons():
     """The README's end-to-end claims, recomputed from the records the results page shows."""
     import re
