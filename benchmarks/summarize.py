@@ -204,14 +204,13 @@ def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None
                       ""]
         cold = _cold_runs([r for r, _ in records])
         if cold:
-            spent = sorted({f"{r['one_time_s']:.1f}" for r, _ in records if r.get("run") in cold and "one_time_s" in r},
-                           key=float)
+            spent = [r["one_time_s"] for r, _ in records if r.get("run") in cold and "one_time_s" in r]
+            low, high = f"{min(spent):.1f}", f"{max(spent):.1f}"
             lines += [f"In run{'s' if len(cold) > 1 else ''} {', '.join(cold)}, recorded before the warm-up ran at "
                       "the timed run's capacity, kernels specialized on that capacity compiled in the timed steps of "
                       "the first preset that used them, and presets later in the run reused them: *ms/step* carries "
-                      f"that work ({'-'.join(dict.fromkeys([spent[0], spent[-1]]))} s of one-time work per preset "
-                      "in these records, "
-                      "graph captures included); *steady ms/step* leaves it out.", ""]
+                      f"that work ({low if low == high else f'{low}-{high}'} s of one-time work per preset in these "
+                      "records, graph captures included); *steady ms/step* leaves it out.", ""]
         if not records:
             lines += ["No run recorded yet.", ""]
             continue

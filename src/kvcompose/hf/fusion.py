@@ -47,10 +47,14 @@ BACKEND = "inductor"
 RECOMPILE_LIMIT = 1024
 
 
+def _decoder(model):
+    """The decoder inside a transformers model (the model itself for a bare decoder)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The decoder layers of a transformers model: the ``layers`` list of its decoder."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(_decoder(model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
         raise UnsupportedModelError(
             f"cannot fuse the decode step of {type(model).__name__}: its decoder has no 'layers' module list "
@@ -62,7 +66,7 @@ def step_modules(model) -> list[torch.nn.Module]:
     """The decoder's modules that run once per step outside its layers and fuse on their own:
     the rotary embedding (positions to cos and sin: a product, a concatenation, two
     transcendentals and casts) and the final norm, where the decoder has them."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    decoder = _decoder(model)
     found = (getattr(decoder, name, None) for name in ("rotary_emb", "norm"))
     return [m for m in found if isinstance(m, torch.nn.Module)]
 
