@@ -6,7 +6,7 @@ Every format's tokens sit in shuffled 16-slot blocks of a pool (kivi2: 32-slot b
 token groups, as its preset) plus a 16-token bf16 recent buffer; ``mixed`` is ThinKV's
 store, a ternary, an NVFP4 and an FP8 pool of a third of the tokens each. The op is timed
 as a CUDA-graph replay (its partial launches and the merge), once per kernel that takes the
-format: ``triton`` always, ``cuda`` (the CUDA kernel of NVFP4 pools) where it is built.
+format: ``triton`` always, ``cuda`` (the CUDA kernel of NVFP4 and ternary pools) where it is built.
 Reported per (format, kernel, shape): milliseconds, effective TB/s on the bytes the op must
 read (codes, scales, block tables, validity, queries), that rate as a fraction of the
 device-to-device copy bandwidth measured in the same process, and the speed-ups over

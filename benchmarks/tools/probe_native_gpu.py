@@ -1,4 +1,4 @@
-"""Where the CUDA NVFP4 decode kernel's time goes: variants of ``native_nvfp4.cu`` side by side.
+"""Where the CUDA NVFP4 decode kernel's time goes: variants of ``native_packed.cu`` side by side.
 
 Each variant is the kernel's source with one text substitution (more stages in the shared-memory
 ring, or a part of the decode replaced by a cheaper stand-in that gives wrong numbers), built under
@@ -39,14 +39,17 @@ VARIANTS = {
 }
 
 
-#: Substitutions of every variant: only the bf16 head-dim-128 kernel is compiled (a quarter of the build time).
+#: Substitutions of every variant: only the NVFP4 bf16 head-dim-128 kernel is compiled (a sixth of the build time).
 ONLY_BF16_128 = [
-    ("else KVC_LAUNCH(128, __half);", 'else TORCH_CHECK(false, "probe: bf16 only");'),
-    ("else { if (bf16) KVC_LAUNCH(64, __nv_bfloat16); else KVC_LAUNCH(64, __half); }",
-     'else TORCH_CHECK(false, "probe: head dim 128 only");'),
-    ("if (D == 128) return bf16 ? resident<128, __nv_bfloat16>() : resident<128, __half>();\n"
-     "  return bf16 ? resident<64, __nv_bfloat16>() : resident<64, __half>();",
-     "return resident<128, __nv_bfloat16>();"),
+    ("if (fmt == TERNARY) { if (bf16) KVC_LAUNCH(TERNARY, 128, __nv_bfloat16); else KVC_LAUNCH(TERNARY, 128, __half); }"
+     "\n  else if (D == 128) { if (bf16) KVC_LAUNCH(NVFP4, 128, __nv_bfloat16); else KVC_LAUNCH(NVFP4, 128, __half); }"
+     "\n  else { if (bf16) KVC_LAUNCH(NVFP4, 64, __nv_bfloat16); else KVC_LAUNCH(NVFP4, 64, __half); }",
+     'TORCH_CHECK(fmt == NVFP4 && D == 128 && bf16, "probe: NVFP4, bf16, head dim 128 only");\n'
+     "  KVC_LAUNCH(NVFP4, 128, __nv_bfloat16);"),
+    ("if (fmt == TERNARY) return bf16 ? resident<TERNARY, 128, __nv_bfloat16>() : resident<TERNARY, 128, __half>();\n"
+     "  if (D == 128) return bf16 ? resident<NVFP4, 128, __nv_bfloat16>() : resident<NVFP4, 128, __half>();\n"
+     "  return bf16 ? resident<NVFP4, 64, __nv_bfloat16>() : resident<NVFP4, 64, __half>();",
+     "return resident<NVFP4, 128, __nv_bfloat16>();"),
 ]
 
 
@@ -59,7 +62,7 @@ def build(name: str):
             raise SystemExit(f"variant {name}: {old!r} not found in {native.SOURCE.name}")
         source = source.replace(old, new)
     return cpp_extension.load_inline(name=f"kvcompose_probe_{name}", cpp_sources=native._DECLARATIONS,
-                                     cuda_sources=source, functions=["nvfp4_partial", "nvfp4_resident"],
+                                     cuda_sources=source, functions=["packed_partial", "packed_resident"],
                                      extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
 
 

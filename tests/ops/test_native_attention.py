@@ -1,5 +1,5 @@
-"""The CUDA decode kernel of NVFP4 pools (ops.paged_attention.native): when it runs, and that it agrees with
-the reference."""
+"""The CUDA decode kernel of NVFP4 and ternary pools (ops.paged_attention.native): when it runs, and that it
+agrees with the reference."""
 
 import logging
 
@@ -13,9 +13,16 @@ from kvcompose.ops.paged_attention.launch import _native_plans, native_groups
 from test_paged_attention import check_extent, make_source
 
 
-def test_native_kernel_takes_only_nvfp4_pools_it_was_written_for():
+def test_native_kernel_takes_only_the_pools_it_was_written_for():
     query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
     assert native.fits(query, make_source("nvfp4", [20, 3], 2, 128))
+    assert native.fits(query, make_source("ternary", [20, 3], 2, 128))
+    query64 = torch.zeros(2, 8, 1, 64, dtype=torch.bfloat16)
+    assert native.fits(query64, make_source("nvfp4", [20, 3], 2, 64))
+    assert not native.fits(query64, make_source("ternary", [20, 3], 2, 64))  # half a code word per value eighth
+    mixed = make_source("ternary", [20, 3], 2, 128)
+    mixed.value = make_source("nvfp4", [20, 3], 2, 128).value
+    assert not native.fits(query, mixed)  # keys and values of one format
     assert not native.fits(query, make_source("fp8", [20, 3], 2, 128))
     assert not native.fits(query.float(), make_source("nvfp4", [20, 3], 2, 128))
     assert not native.fits(torch.zeros(2, 8, 1, 32, dtype=torch.bfloat16), make_source("nvfp4", [20, 3], 2, 32))
@@ -78,31 +85,38 @@ def check_native(query, sources, tol=1.6e-2):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+NVFP4_SHAPES = [(1, 64, 4), (4, 128, 2), (8, 128, 1), (4, 64, 2), (8, 64, 1), (1, 128, 4), (4, 128, 8), (4, 64, 8),
+                (2, 128, 6)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("group,head_dim,H", [(1, 64, 4), (4, 128, 2), (8, 128, 1), (4, 64, 2), (8, 64, 1),
-                                              (1, 128, 4), (4, 128, 8), (4, 64, 8), (2, 128, 6)])
-def test_cuda_native_kernel_matches_reference(group, head_dim, H):
-    """Every GQA group (1, 2, 4, 8) and head dim (64, 128), with 1 to 8 KV heads."""
+@pytest.mark.parametrize("fmt,group,head_dim,H", [("nvfp4", *shape) for shape in NVFP4_SHAPES]
+                         + [("ternary", *shape) for shape in NVFP4_SHAPES if shape[1] == 128])
+def test_cuda_native_kernel_matches_reference(fmt, group, head_dim, H):
+    """Every GQA group (1, 2, 4, 8) and head dim (64, 128; ternary: 128), with 1 to 8 KV heads;
+    holes, the recent buffer, empty rows, extents, and the other format's pool beside it."""
     lengths = [1, 0, 3000, 700, 16, 4097, 33]
-    src = make_source("nvfp4", lengths, H, head_dim, device="cuda")
+    src = make_source(fmt, lengths, H, head_dim, device="cuda")
     query = torch.randn(len(lengths), H * group, 1, head_dim, device="cuda").to(torch.bfloat16)
     plans = _native_plans(query, [src], False, "cuda")[1]
     assert list(plans) == [0]  # the CUDA kernel runs this source
     assert list(_native_plans(query, [src], False, "auto")[1]) == ([0] if head_dim == 128 else [])
     assert _native_plans(query, [src], True, "cuda")[1] == {}  # scores requested: the Triton kernel writes them
     check_native(query, [src])
-    holes = make_source("nvfp4", lengths, H, head_dim, holes=True, seed=5, device="cuda")
+    holes = make_source(fmt, lengths, H, head_dim, holes=True, seed=5, device="cuda")
     buffer = make_source("dense", [5, 0, 15, 1, 0, 15, 3], H, head_dim, bs=15, seed=9, device="cuda")
     check_native(query, [holes, buffer])
-    check_native(query, [src, make_source("ternary", lengths, H, head_dim, holes=True, seed=4, device="cuda"), buffer])
+    other = "ternary" if fmt == "nvfp4" else "nvfp4"  # ThinKV's store holds both
+    check_native(query, [src, make_source(other, lengths, H, head_dim, holes=True, seed=4, device="cuda"), buffer])
     check_extent(query, [src, buffer], lengths, backend="cuda")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "ternary"])
 @pytest.mark.parametrize("dtype,magnitude", [(torch.float16, 1.0), (torch.bfloat16, 1.0e5), (torch.bfloat16, 1e-3)])
-def test_cuda_native_kernel_keeps_any_query(dtype, magnitude):
+def test_cuda_native_kernel_keeps_any_query(fmt, dtype, magnitude):
     lengths = [300, 0, 1000]
-    src = make_source("nvfp4", lengths, 2, 128, dtype=dtype, seed=3, device="cuda")
+    src = make_source(fmt, lengths, 2, 128, dtype=dtype, seed=3, device="cuda")
     query = (torch.randn(len(lengths), 8, 1, 128, device="cuda") * magnitude).to(dtype)
     out = paged_decode_attention(query, [src], 0.1 / magnitude, backend="cuda")
     ref = paged_decode_attention_torch(query, [src], 0.1 / magnitude)
@@ -111,9 +125,10 @@ def test_cuda_native_kernel_keeps_any_query(dtype, magnitude):
 
 
 @pytest.mark.gpu
-def test_cuda_native_kernel_replays_in_a_graph():
+@pytest.mark.parametrize("fmt", ["nvfp4", "ternary"])
+def test_cuda_native_kernel_replays_in_a_graph(fmt):
     lengths = [500, 20, 1200]
-    src = make_source("nvfp4", lengths, 2, 128, device="cuda")
+    src = make_source(fmt, lengths, 2, 128, device="cuda")
     query = torch.randn(3, 8, 1, 128, device="cuda").to(torch.bfloat16)
     eager = paged_decode_attention(query, [src], 0.1, backend="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -125,15 +140,16 @@ def test_cuda_native_kernel_replays_in_a_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 8)])
-def test_cuda_native_kernel_reads_regions_of_one_pool_in_one_launch(head_dim, group):
+@pytest.mark.parametrize("head_dim,group,other_fmt", [(128, 4, "ternary"), (64, 8, "nvfp4")])
+def test_cuda_native_kernel_reads_regions_of_one_pool_in_one_launch(head_dim, group, other_fmt):
     """The regions' tables split the pool's rows at different columns (empty regions and rows
-    included), with another pool's source between them, so a launch's partial results are not
-    contiguous; five regions take two launches. Extents bound each region, and one that cuts a
-    row's last valid tokens drops them (enough of them to move the output well past the tolerance)."""
+    included), with another pool's source between them (ThinKV's ternary T pool beside its
+    NVFP4 R and E regions at head dim 128), so a launch's partial results are not contiguous;
+    five regions take two launches. Extents bound each region, and one that cuts a row's last
+    valid tokens drops them (enough of them to move the output well past the tolerance)."""
     lengths = [1000, 0, 37, 300, 1]
     src = make_source("nvfp4", lengths, 2, head_dim, holes=True, seed=7, device="cuda")
-    other = make_source("nvfp4", [200, 5, 0, 90, 64], 2, head_dim, seed=8, device="cuda")
+    other = make_source(other_fmt, [200, 5, 0, 90, 64], 2, head_dim, seed=8, device="cuda")
     query = torch.randn(len(lengths), 2 * group, 1, head_dim, device="cuda").to(torch.bfloat16)
     buffer = make_source("dense", [3, 0, 15, 1, 0], 2, head_dim, bs=15, seed=9, device="cuda")
     for cuts in ([10], [8, 20, 40], [6, 12, 24, 40]):  # regions of 5 columns or more: none left to Triton

@@ -52,7 +52,7 @@ MAX_REGISTERS = None  # registers per thread of the partial kernel (None: the co
 RIDERS_IN_MERGE = "native"
 RIDER_MERGE_CONSTS = ("CONSTS", "NSRC", "H", "G", "GP", "D", "PREC", "OUT", "NATIVE")
 LOG2E = 1.4426950408889634
-NATIVE_TILE = 32  # tokens per loop step of the CUDA kernel (native_nvfp4.cu)
+NATIVE_TILE = 32  # tokens per loop step of the CUDA kernel (native_packed.cu)
 
 
 def plan_splits(rows: int, tokens: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM,
@@ -188,9 +188,10 @@ def _native_plans(q: torch.Tensor, sources: list[PagedSource], scores: bool, nat
     if built is None:
         return None, {}, 0
     B, H = q.shape[0], sources[0].key.codes.shape[1]
-    per_sm = native_kernel.resident_programs(q.device.index or 0, q.shape[-1], q.dtype == torch.bfloat16)
     plans, first = {}, 0
     for i in take:
+        per_sm = native_kernel.resident_programs(q.device.index or 0, q.shape[-1], q.dtype == torch.bfloat16,
+                                                 sources[i].key.fmt)
         tokens = sources[i].tokens
         n = plan_splits(B * H, tokens, q.device, per_sm, NATIVE_TILE)
         per = cdiv(cdiv(tokens, n), NATIVE_TILE) * NATIVE_TILE
@@ -282,11 +283,11 @@ def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool) ->
     where the merge slices channels (few rows, many splits: one program per (row, KV head)
     walking every split would idle the GPU; :func:`paged_decode_triton` checks that).
 
-    Where long sources stay in the Triton launch (ThinKV's ternary pool beside its CUDA-read
-    NVFP4 pool), the buffer rides on their programs instead: in the merge it made the
-    benchmark's mixed store (ternary, NVFP4 and FP8 pools) up to 16% slower on an H200 (8%
-    at 16 x 8K, 16% at head dim 64, even at 1 x 32K and 256 x 1K;
-    ``bench_attention_gpu.py --riders-in-merge``)."""
+    Where long sources stay in the Triton launch (an FP8 pool beside CUDA-read ones, or a
+    ternary pool at head dim 64), the buffer rides on their programs instead: in the merge it
+    made the benchmark's mixed store (ternary, NVFP4 and FP8 pools, the ternary one then read
+    by Triton) up to 16% slower on an H200 (8% at 16 x 8K, 16% at head dim 64, even at 1 x 32K
+    and 256 x 1K; ``bench_attention_gpu.py --riders-in-merge``)."""
     small = [i for i, s in enumerate(rest) if small_source(s)]
     if scores or not small or RIDERS_IN_MERGE == "never":
         return []

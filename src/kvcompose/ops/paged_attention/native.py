@@ -1,11 +1,13 @@
-"""The CUDA decode kernel of NVFP4 pools (``native_nvfp4.cu``), built on first use, and when it runs.
+"""The CUDA decode kernel of NVFP4 and ternary pools (``native_packed.cu``), built on first use, and
+when it runs.
 
 The Triton partial kernel decodes every format; for NVFP4 keys and values it spends most of
 its instructions moving decoded values into the tensor cores' operand layout, and reads
 memory at a third of copy bandwidth. The CUDA kernel stages each tile's codes in shared
 memory and reads each thread's mma fragment straight from them (see the notes at the top of
-the ``.cu`` file). It writes partial results in the Triton merge kernel's layout, so the two
-kernels share one merge.
+the ``.cu`` file). Ternary pools (ThinKV's T class) share its code path: both formats carry an
+E4M3 scale per 16 channels, and only the decoding of a code word differs. It writes partial
+results in the Triton merge kernel's layout, so the two kernels share one merge.
 
 It is built with ``torch.utils.cpp_extension.load_inline`` the first time a step could use
 it (about a minute, cached by torch afterwards), and only where it can run: a CUDA GPU of
@@ -32,22 +34,28 @@ log = logging.getLogger("kvcompose")
 
 #: ``KVCOMPOSE_NATIVE_ATTENTION=0`` keeps every step on the Triton kernel.
 ENABLED = os.environ.get("KVCOMPOSE_NATIVE_ATTENTION", "1") != "0"
-HEAD_DIMS = (64, 128)
+#: Formats the CUDA kernel decodes (keys and values alike), its ``fmt`` codes, and the head dims
+#: each is compiled for (a thread reads a whole code word of every value row: 16 ternary codes
+#: are 16 channels, an eighth of 128).
+FORMATS = {"nvfp4": 0, "ternary": 1}
+FORMAT_HEAD_DIMS = {"nvfp4": (64, 128), "ternary": (128,)}
 #: Head dims where ``backend=None`` picks the CUDA kernel: measured on an H200
 #: (``benchmarks/results/attention_gpu.json``), it beat the Triton kernel at 128 (1.07-1.53x on
 #: NVFP4 pools, 1.05-1.18x on ThinKV's mixed store); at 64 it won on an NVFP4 pool (1.14x at
 #: 16 x 8K) and lost on the mixed store (0.93x), so head dim 64 runs it only when asked.
 AUTO_HEAD_DIMS = (128,)
 MAX_GROUP = 8  # query heads per KV head: the mma's 8 columns
-SOURCE = Path(__file__).with_name("native_nvfp4.cu")
+SOURCE = Path(__file__).with_name("native_packed.cu")
 _STATE: dict = {}  # device index -> (module or None, reason)
 
 
 def fits(query: torch.Tensor, src: PagedSource) -> bool:
-    """Whether the CUDA kernel takes this source and query: NVFP4 keys and values, head dim 64
-    or 128, a bf16 or fp16 query, at most ``MAX_GROUP`` query heads per KV head."""
+    """Whether the CUDA kernel takes this source and query: NVFP4 keys and values (head dim 64
+    or 128) or ternary ones (head dim 128), a bf16 or fp16 query, at most ``MAX_GROUP`` query
+    heads per KV head."""
     H = src.key.codes.shape[1]
-    return (src.key.fmt == "nvfp4" and src.value.fmt == "nvfp4" and query.shape[-1] in HEAD_DIMS
+    fmt = src.key.fmt
+    return (fmt in FORMATS and src.value.fmt == fmt and query.shape[-1] in FORMAT_HEAD_DIMS[fmt]
             and query.dtype in (torch.bfloat16, torch.float16) and query.shape[1] // H <= MAX_GROUP
             and src.table.dtype == torch.int64 and src.key.codes.is_contiguous() and src.value.codes.is_contiguous()
             and src.block_size % 4 == 0 and src.valid.data_ptr() % 4 == 0  # validity is copied four slots at once
@@ -63,14 +71,14 @@ def module(device: torch.device):
         _STATE[index] = _build(index)
         built, reason = _STATE[index]
         if built is None:
-            log.info("kvcompose: NVFP4 decode attention runs the Triton kernel (%s)", reason)
+            log.info("kvcompose: NVFP4 and ternary decode attention runs the Triton kernel (%s)", reason)
         else:
-            log.info("kvcompose: NVFP4 decode attention runs the CUDA kernel (%s)", reason)
+            log.info("kvcompose: NVFP4 and ternary decode attention runs the CUDA kernel (%s)", reason)
     return _STATE[index][0]
 
 
 def native_status(device: torch.device | None = None) -> dict:
-    """Which kernel decodes NVFP4 pools on ``device`` and why: ``{"kernel": "cuda" | "triton",
+    """Which kernel decodes NVFP4 and ternary pools on ``device`` and why: ``{"kernel": "cuda" | "triton",
     "reason": ...}``. Builds the extension if it was not tried yet."""
     if device is None or device.type != "cuda":
         if not torch.cuda.is_available():
@@ -96,10 +104,10 @@ def _build(index: int):
     arch = f"{major}{minor}"
     try:
         built = cpp_extension.load_inline(
-            name=f"kvcompose_native_nvfp4_sm{arch}",
+            name=f"kvcompose_native_packed_sm{arch}",
             cpp_sources=_DECLARATIONS,
             cuda_sources=SOURCE.read_text(),
-            functions=["nvfp4_partial", "nvfp4_resident"],
+            functions=["packed_partial", "packed_resident"],
             extra_cuda_cflags=["-O3", "-std=c++17"],
             verbose=False,
         )
@@ -109,20 +117,21 @@ def _build(index: int):
 
 
 _DECLARATIONS = """
-void nvfp4_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<at::Tensor> tables, at::Tensor valid,
-                   at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
-                   std::vector<at::Tensor> extents, int64_t block_size, std::vector<int64_t> per_split,
-                   std::vector<int64_t> n_splits, std::vector<int64_t> first, int64_t total, double qk_scale);
-int64_t nvfp4_resident(int64_t D, bool bf16);
+void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<at::Tensor> tables, at::Tensor valid,
+                    at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
+                    std::vector<at::Tensor> extents, int64_t block_size, std::vector<int64_t> per_split,
+                    std::vector<int64_t> n_splits, std::vector<int64_t> first, int64_t total, double qk_scale,
+                    int64_t fmt);
+int64_t packed_resident(int64_t D, bool bf16, int64_t fmt);
 """
 #: Regions one launch reads at most (``MAX_REGIONS`` of the ``.cu`` file).
 MAX_REGIONS = 4
 
 
 @functools.lru_cache(maxsize=64)
-def resident_programs(device_index: int, head_dim: int, bf16: bool) -> int:
-    """Programs (one warp each) of the CUDA kernel one SM holds at once."""
-    return max(1, int(_STATE[device_index][0].nvfp4_resident(head_dim, bf16)))
+def resident_programs(device_index: int, head_dim: int, bf16: bool, fmt: str = "nvfp4") -> int:
+    """Programs (one warp each) of the CUDA kernel for ``fmt`` pools that one SM holds at once."""
+    return max(1, int(_STATE[device_index][0].packed_resident(head_dim, bf16, FORMATS[fmt])))
 
 
 def pool_of(src: PagedSource) -> tuple:
@@ -131,7 +140,8 @@ def pool_of(src: PagedSource) -> tuple:
     block tables and extents."""
     key, value = src.key, src.value
     tensors = (src.valid, key.codes, key.scale, key.head_scale, value.codes, value.scale, value.head_scale)
-    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) for t in tensors) + (src.block_size,)
+    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) for t in tensors) + (src.block_size,
+                                                                                                  key.fmt)
 
 
 def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int, int, int]], part: torch.Tensor,
@@ -143,8 +153,9 @@ def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int,
     src = sources[0]
     key, value = src.key, src.value
     no_extent = device_constant((), q.device, torch.int64)  # empty: the kernel bounds that region by its table
-    built.nvfp4_partial(q, part, lse, [s.table.contiguous() for s in sources], src.valid.view(torch.uint8),
+    built.packed_partial(q, part, lse, [s.table.contiguous() for s in sources], src.valid.view(torch.uint8),
                         key.codes, key.scale, key.head_scale.float().contiguous(), value.codes, value.scale,
                         value.head_scale.float().contiguous(), [s.extent if s.extent is not None else no_extent
                                                                 for s in sources],
-                        src.block_size, list(per_split), list(n_splits), list(firsts), total, qk_scale)
+                        src.block_size, list(per_split), list(n_splits), list(firsts), total, qk_scale,
+                        FORMATS[key.fmt])

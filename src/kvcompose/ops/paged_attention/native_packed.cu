@@ -1,4 +1,4 @@
-// Paged decode attention over an NVFP4 pool, one warp per (row, KV head, split), for sm_89+.
+// Paged decode attention over an NVFP4 or ternary pool, one warp per (row, KV head, split), for sm_89+.
 //
 // Why a hand-written kernel: decoding 4-bit codes costs instructions, and a step of decode
 // attention has a budget of about one warp instruction per five bytes read at memory speed.
@@ -16,9 +16,13 @@
 //   tokens' decoded pairs are interleaved by byte permutes, and the score fragment becomes the
 //   probability fragment by one 8x8 transpose in registers (movmatrix).
 // * An NVFP4 code becomes an E4M3 byte of the same value times 2^-6 with integer operations on
-//   four bytes at once; the hardware converts pairs to fp16, and the block scale times 2^6 is
-//   one fp16 multiply whose product is exact. The per-(row, head) scale multiplies the dot
-//   products (keys) and the finished output (values) in fp32.
+//   four bytes at once; a ternary code picks its E4M3 byte (0 or +-2^-6) from a four-byte table
+//   (one byte permute for four codes). The hardware converts pairs to fp16, and the block scale
+//   times 2^6 is one fp16 multiply whose product is exact. The per-(row, head) scale multiplies
+//   the dot products (keys) and the finished output (values) in fp32.
+// * Both formats share everything else: an E4M3 scale per 16 channels, and a 32-bit code word
+//   (8 NVFP4 or 16 ternary codes) decodes into fp16 pairs whose channels follow one rule
+//   (word_channel), so the query gather and the output scatter do not depend on the format.
 //
 // The program writes one partial result (output and log2-sum-exp) in the layout the Triton
 // merge kernel reads, so the recent buffer and other sources join in the same merge.
@@ -33,19 +37,26 @@ namespace {
 
 constexpr int TILE = 32;    // tokens per step of a warp's loop: one per lane
 constexpr int STAGES = 2;  // tiles in a program's shared-memory ring (see Stage)
+constexpr int NVFP4 = 0, TERNARY = 1;  // code formats (the host's `fmt`)
 
-template <int D>
+template <int F, int D>
 struct Shape {
-  static constexpr int ROW = D / 2;        // code bytes per (token, head)
-  static constexpr int BLOCKS = D / 16;    // E4M3 block scales per (token, head)
-  static constexpr int KWORDS = D / 32;    // 32-bit code words of a thread's key quarter
-  static constexpr int KSTEPS = D / 16;    // k-steps of the key product
-  static constexpr int VWORDS = D / 64;    // code words of a thread's value eighth
-  static constexpr int VTILES = D / 16;    // m-tiles (16 channels) of the value product
+  static constexpr int PER_BYTE = F == TERNARY ? 4 : 2;  // codes per byte
+  static constexpr int ROW = D / PER_BYTE;  // code bytes per (token, head)
+  static constexpr int CHUNKS = ROW / 16;   // 16-byte chunks of a code row
+  static constexpr int REGS = 2 * PER_BYTE;  // fp16 pairs a 32-bit code word decodes into
+  static constexpr int WORD_CHANNELS = 4 * PER_BYTE;
+  static constexpr int BLOCKS = D / 16;     // E4M3 block scales per (token, head)
+  static constexpr int KWORDS = ROW / 16;   // 32-bit code words of a thread's key quarter
+  static constexpr int KSTEPS = D / 16;     // k-steps of the key product
+  static constexpr int VWORDS = ROW / 32;   // code words of a thread's value eighth
+  static constexpr int VTILES = D / 16;     // m-tiles (16 channels) of the value product
+  static_assert(VWORDS >= 1, "a thread's value eighth must hold a whole code word");
 };
 
-// Channel, within a code word, of element e of the word's decoded register r (see fp4_word).
-__device__ __forceinline__ int word_channel(int r, int e) { return (r & 1) * 4 + (r >> 1) + 2 * e; }
+// Channel, among a thread's decoded registers, of element e of register r: registers come in
+// groups of four covering 8 channels (fp4_word's order; ternary_word keeps it).
+__device__ __forceinline__ int word_channel(int r, int e) { return 8 * (r >> 2) + (r & 1) * 4 + ((r >> 1) & 1) + 2 * e; }
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
@@ -80,6 +91,41 @@ __device__ __forceinline__ void fp4_word(uint32_t w, uint32_t s2, uint32_t* out)
       : "r"(w), "r"(s2));
 }
 
+// Four E4M3 bytes (e: byte 0 lowest) as two fp16 pairs times the fp16 pair s2: out[0] = bytes
+// (0, 1), out[1] = bytes (2, 3).
+__device__ __forceinline__ void e4m3x4_scaled(uint32_t e, uint32_t s2, uint32_t* out) {
+  asm("{\n"
+      ".reg .b16 l, h;\n"
+      "mov.b32 {l, h}, %2;\n"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, h;\n"
+      "mul.rn.f16x2 %0, %0, %3;\n"
+      "mul.rn.f16x2 %1, %1, %3;\n"
+      "}\n"
+      : "=r"(out[0]), "=r"(out[1])
+      : "r"(e), "r"(s2));
+}
+
+// Sixteen ternary codes of one word (code i in bits 2i, 2i + 1: 0 -> 0, 1 -> +1, 2 -> -1, 3 unused)
+// times 2^-6 times a block scale (s2 as in fp4_word), in word_channel's order: out[0] = channels
+// (0, 2), out[1] = (4, 6), out[2] = (1, 3), out[3] = (5, 7), out[4 ..] the same for 8 ... 15.
+// Each selector holds four codes in the low bits of its nibbles; the byte permute looks each up
+// in the table of E4M3 bytes {0, 2^-6, -2^-6, 0}.
+__device__ __forceinline__ void ternary_word(uint32_t w, uint32_t s2, uint32_t* out) {
+  constexpr uint32_t LEVELS = 0x00880800u;
+  e4m3x4_scaled(__byte_perm(LEVELS, 0, w & 0x3333u), s2, out);
+  e4m3x4_scaled(__byte_perm(LEVELS, 0, (w >> 2) & 0x3333u), s2, out + 2);
+  e4m3x4_scaled(__byte_perm(LEVELS, 0, (w >> 16) & 0x3333u), s2, out + 4);
+  e4m3x4_scaled(__byte_perm(LEVELS, 0, (w >> 18) & 0x3333u), s2, out + 6);
+}
+
+// One code word of format F decoded into Shape::REGS fp16 pairs (word_channel's order).
+template <int F>
+__device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t* out) {
+  if constexpr (F == TERNARY) ternary_word(w, s2, out);
+  else fp4_word(w, s2, out);
+}
+
 // fp16 pair (a, b) of the E4M3 bytes in the low 16 bits of x (a: the low byte).
 __device__ __forceinline__ uint32_t scale_pair(uint32_t x) {
   uint32_t r;
@@ -112,11 +158,11 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 // The codes and scales one lane needs for one tile: four key tokens (rows gid, gid + 8 of the
 // tile's two 16-token halves) and eight value tokens (2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 of
 // each half), plus the validity of the lane's own token.
-template <int D>
+template <int F, int D>
 struct Tile {
-  uint32_t k[4][Shape<D>::KWORDS];
+  uint32_t k[4][Shape<F, D>::KWORDS];
   uint32_t kscale[4];
-  uint32_t v[8][Shape<D>::VWORDS];
+  uint32_t v[8][Shape<F, D>::VWORDS];
   uint32_t vscale[8];
   bool lane_ok;
 };
@@ -135,7 +181,7 @@ struct Pools {
   const uint8_t* __restrict__ ks;
   const uint8_t* __restrict__ vc;
   const uint8_t* __restrict__ vs;
-  uint32_t code_stride, scale_stride;  // bytes per slot: H x (D / 2), H x (D / 16)
+  uint32_t code_stride, scale_stride;  // bytes per slot: H x row bytes, H x (D / 16)
   uint32_t code_at, scale_at;          // the head's offsets within a slot
 };
 
@@ -148,11 +194,11 @@ struct Pools {
 // whole. With the decoding replaced by a stand-in (benchmarks/tools/probe_native_gpu.py) the loop
 // is no faster: the products, the softmax and the reads of the stage hold it at this level.
 //
-// Code rows are stored in 16-byte chunks, swizzled: chunk i = t D / 32 + c (token t, chunk c of its
-// row) sits at i ^ (2 (i >> 3) & 6), which spreads every fragment read below over all banks.
-template <int D>
+// Code rows are stored in 16-byte chunks, swizzled: chunk i = t CHUNKS + c (token t, chunk c of its
+// row) sits at i ^ (2 (i >> 3) & 6), which spreads every NVFP4 fragment read below over all banks.
+template <int F, int D>
 struct Stage {
-  static constexpr int CODES = TILE * D / 2;    // code bytes of the tile, per operand
+  static constexpr int CODES = TILE * Shape<F, D>::ROW;  // code bytes of the tile, per operand
   static constexpr int SCALES = TILE * D / 16;  // block-scale bytes of the tile, per operand
   static constexpr int K = 0, V = CODES, KS = 2 * CODES, VS = KS + SCALES, VALID = VS + SCALES;
   static constexpr int BYTES = VALID + TILE;
@@ -161,9 +207,9 @@ struct Stage {
 __device__ __forceinline__ uint32_t swizzle(uint32_t chunk) { return chunk ^ ((chunk >> 2) & 6); }
 
 // Offset in a stage's codes of byte `offset` of token t's row (within one 16-byte chunk).
-template <int D>
+template <int F, int D>
 __device__ __forceinline__ uint32_t code_at(int t, int offset) {
-  return 16 * swizzle(t * (D / 32) + offset / 16) + offset % 16;
+  return 16 * swizzle(t * Shape<F, D>::CHUNKS + offset / 16) + offset % 16;
 }
 
 template <int N>  // N bytes, zero-filled where !ok (nothing is read then)
@@ -179,15 +225,16 @@ template <int N>
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Start copying the tile whose lane-th token lies in slot `slot` (-1: none) into `stage`. Codes:
-// lane l copies chunks l, l + 32, ... of the tile (four lanes per token row at head dim 128, so
-// every instruction reads whole 64-byte rows); scales one copy per token; validity four tokens'
-// bytes per copy (a block holds a multiple of four tokens, and a tile starts a block).
-template <int D>
+// lane l copies chunks l, l + 32, ... of the tile (the lanes of one token row read it whole);
+// scales one copy per token; validity four tokens' bytes per copy (a block holds a multiple of
+// four tokens, and a tile starts a block).
+template <int F, int D>
 __device__ __forceinline__ void issue_tile(uint32_t stage, int slot, const Pools& p, int lane) {
-  using St = Stage<D>;
+  using St = Stage<F, D>;
+  constexpr int CHUNKS = Shape<F, D>::CHUNKS;
 #pragma unroll
-  for (int i = 0; i < D / 32; ++i) {
-    const int chunk = lane + 32 * i, t = chunk / (D / 32), c = chunk % (D / 32);
+  for (int i = 0; i < CHUNKS; ++i) {
+    const int chunk = lane + 32 * i, t = chunk / CHUNKS, c = chunk % CHUNKS;
     const int s = __shfl_sync(0xffffffffu, slot, t);
     const uint32_t at = (uint32_t)max(s, 0) * p.code_stride + p.code_at + 16 * c;
     const uint32_t dst = 16 * swizzle(chunk);
@@ -224,21 +271,21 @@ __device__ __forceinline__ uint32_t load_shared_u16(uint32_t at) {
 }
 
 // A lane's fragments of one tile, read from its stage; `live`: the lane's token is in the split.
-template <int D>
-__device__ __forceinline__ void read_tile(Tile<D>& t, uint32_t stage, bool live, int gid, int tig, int lane) {
-  using S = Shape<D>;
-  using St = Stage<D>;
+template <int F, int D>
+__device__ __forceinline__ void read_tile(Tile<F, D>& t, uint32_t stage, bool live, int gid, int tig, int lane) {
+  using S = Shape<F, D>;
+  using St = Stage<F, D>;
 #pragma unroll
   for (int kt = 0; kt < 4; ++kt) {
     const int tok = key_token(kt, gid);
-    load_shared<S::KWORDS>(stage + St::K + code_at<D>(tok, (D / 8) * tig), t.k[kt]);
+    load_shared<S::KWORDS>(stage + St::K + code_at<F, D>(tok, (S::ROW / 4) * tig), t.k[kt]);
     const uint32_t at = stage + St::KS + (D / 16) * tok + (D / 64) * tig;
     t.kscale[kt] = D == 128 ? load_shared_u16(at) : load_shared_u8(at);
   }
 #pragma unroll
   for (int vt = 0; vt < 8; ++vt) {
     const int tok = value_token(vt, tig);
-    load_shared<S::VWORDS>(stage + St::V + code_at<D>(tok, (D / 16) * gid), t.v[vt]);
+    load_shared<S::VWORDS>(stage + St::V + code_at<F, D>(tok, (S::ROW / 8) * gid), t.v[vt]);
     t.vscale[vt] = load_shared_u8(stage + St::VS + (D / 16) * tok + (D * gid) / 128);
   }
   t.lane_ok = live && load_shared_u8(stage + St::VALID + lane) != 0;
@@ -260,15 +307,15 @@ __device__ __forceinline__ int lane_slot(int64_t blk, int BS, int t) {
 template <int D>
 struct State {
   float m[2], l[2];
-  float acc[Shape<D>::VTILES][4];
+  float acc[D / 16][4];  // Shape::VTILES
 };
 
 // One tile: scores, online softmax, values. Decoded values lack the 2^6 that the E4M3 trick
 // takes off (folded into key_scale and into the output scale).
-template <int D>
-__device__ __forceinline__ void attend_tile(const Tile<D>& t, State<D>& st, const uint32_t (*qf)[2], float key_scale,
-                                            int gid, int tig) {
-  using S = Shape<D>;
+template <int F, int D>
+__device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, const uint32_t (*qf)[2],
+                                            float key_scale, int gid, int tig) {
+  using S = Shape<F, D>;
   const uint32_t ok = __ballot_sync(0xffffffffu, t.lane_ok);  // bit x: token x of the tile takes part
 
   // scores, transposed: s[j] = tokens 16 j + (gid, gid + 8) x query heads (2 tig, 2 tig + 1)
@@ -280,9 +327,9 @@ __device__ __forceinline__ void attend_tile(const Tile<D>& t, State<D>& st, cons
     const uint32_t p0 = scale_pair(t.kscale[2 * j]), p1 = scale_pair(t.kscale[2 * j + 1]);
 #pragma unroll
     for (int kw = 0; kw < S::KWORDS; ++kw) {
-      const uint32_t sel = kw < 2 || D == 64 ? 0x1010 : 0x3232;  // the word's block scale, twice
-      fp4_word(t.k[2 * j][kw], __byte_perm(p0, 0, sel), a0 + 4 * kw);
-      fp4_word(t.k[2 * j + 1][kw], __byte_perm(p1, 0, sel), a1 + 4 * kw);
+      const uint32_t sel = kw * S::WORD_CHANNELS < 16 ? 0x1010 : 0x3232;  // the word's block scale, twice
+      decode_word<F>(t.k[2 * j][kw], __byte_perm(p0, 0, sel), a0 + S::REGS * kw);
+      decode_word<F>(t.k[2 * j + 1][kw], __byte_perm(p1, 0, sel), a1 + S::REGS * kw);
     }
 #pragma unroll
     for (int kk = 0; kk < S::KSTEPS; ++kk)
@@ -325,14 +372,14 @@ __device__ __forceinline__ void attend_tile(const Tile<D>& t, State<D>& st, cons
   for (int j = 0; j < 2; ++j) {
     const uint32_t b0 = transpose8x8(half2_bits(s[j][0], s[j][1]));
     const uint32_t b1 = transpose8x8(half2_bits(s[j][2], s[j][3]));
-    uint32_t x[4][4 * S::VWORDS];
+    uint32_t x[4][S::REGS * S::VWORDS];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int vt = 4 * j + u;
       const bool live = (ok >> value_token(vt, tig)) & 1u;
       const uint32_t sc = live ? __byte_perm(scale_pair(t.vscale[vt]), 0, 0x1010) : 0u;
 #pragma unroll
-      for (int vw = 0; vw < S::VWORDS; ++vw) fp4_word(t.v[vt][vw], sc, x[u] + 4 * vw);
+      for (int vw = 0; vw < S::VWORDS; ++vw) decode_word<F>(t.v[vt][vw], sc, x[u] + S::REGS * vw);
     }
 #pragma unroll
     for (int r = 0; r < S::VTILES; ++r)
@@ -352,13 +399,13 @@ struct Regions {
   int count;
 };
 
-template <int D, typename T>
-__global__ void __launch_bounds__(32) nvfp4_partial_kernel(
+template <int F, int D, typename T>
+__global__ void __launch_bounds__(32) packed_partial_kernel(
     const T* __restrict__ q, float* __restrict__ part, float* __restrict__ lse, const uint8_t* __restrict__ valid,
     const uint8_t* __restrict__ kc, const uint8_t* __restrict__ ks, const float* __restrict__ khs,
     const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs, const float* __restrict__ vhs, const Regions R,
     int H, int G, int BS, int total, float qk_scale) {
-  using S = Shape<D>;
+  using S = Shape<F, D>;
   const int row = blockIdx.x / H, head = blockIdx.x % H;
   // The region of this program and its split within it (constant indices: the fields stay parameters).
   const int64_t* table = R.table[0];
@@ -393,7 +440,7 @@ __global__ void __launch_bounds__(32) nvfp4_partial_kernel(
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int rho = 2 * kk + h;
-        const int ch = (D / 4) * tig + 8 * (rho >> 2) + word_channel(rho & 3, e);
+        const int ch = (D / 4) * tig + word_channel(rho, e);
         const float x = gid < G ? to_float(qrow[ch]) : 0.f;
         qv[kk][h][e] = x;
         amax = fmaxf(amax, fabsf(x));
@@ -419,7 +466,7 @@ __global__ void __launch_bounds__(32) nvfp4_partial_kernel(
           (uint32_t)(head * S::BLOCKS)};
   // The ring: tile i is copied into stage i % STAGES, STAGES - 1 tiles ahead of its use; the
   // block-table entries of the tile after the one being copied are loaded one step earlier still.
-  __shared__ __align__(128) uint8_t ring[STAGES][Stage<D>::BYTES];
+  __shared__ __align__(128) uint8_t ring[STAGES][Stage<F, D>::BYTES];
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   const int tiles = start < end ? cdiv(end - start, TILE) : 0;
   int64_t blk = lane_block(table, row, W, BS, start + lane, end);
@@ -428,20 +475,20 @@ __global__ void __launch_bounds__(32) nvfp4_partial_kernel(
     const int t = start + i * TILE + lane;
     const int slot = lane_slot(blk, BS, t);
     blk = lane_block(table, row, W, BS, t + TILE, end);
-    if (i < tiles) issue_tile<D>(base + i * Stage<D>::BYTES, slot, p, lane);
+    if (i < tiles) issue_tile<F, D>(base + i * Stage<F, D>::BYTES, slot, p, lane);
     commit_copies();
   }
-  Tile<D> tile;
+  Tile<F, D> tile;
   for (int i = 0; i < tiles; ++i) {
     const int ahead = i + STAGES - 1, t = start + ahead * TILE + lane;
     const int slot = lane_slot(blk, BS, t);
     blk = lane_block(table, row, W, BS, t + TILE, end);
     wait_copies<STAGES - 2>();  // this lane's copies of tile i have landed
     __syncwarp();               // every lane's have, and every lane has read tile i - 1's stage
-    if (ahead < tiles) issue_tile<D>(base + (ahead % STAGES) * Stage<D>::BYTES, slot, p, lane);
+    if (ahead < tiles) issue_tile<F, D>(base + (ahead % STAGES) * Stage<F, D>::BYTES, slot, p, lane);
     commit_copies();
-    read_tile<D>(tile, base + (i % STAGES) * Stage<D>::BYTES, start + i * TILE + lane < end, gid, tig, lane);
-    attend_tile<D>(tile, st, qf, key_scale, gid, tig);
+    read_tile<F, D>(tile, base + (i % STAGES) * Stage<F, D>::BYTES, start + i * TILE + lane < end, gid, tig, lane);
+    attend_tile<F, D>(tile, st, qf, key_scale, gid, tig);
   }
 
   const float vscale = vhs[row * H + head] * 64.f;
@@ -460,25 +507,24 @@ __global__ void __launch_bounds__(32) nvfp4_partial_kernel(
     float* out = part + at * D + (D / 8) * gid;
 #pragma unroll
     for (int r = 0; r < S::VTILES; ++r) {
-      const int base = 8 * (r >> 2);
-      out[base + word_channel(r & 3, 0)] = st.acc[r][e] * inv;
-      out[base + word_channel(r & 3, 1)] = st.acc[r][e + 2] * inv;
+      out[word_channel(r, 0)] = st.acc[r][e] * inv;
+      out[word_channel(r, 1)] = st.acc[r][e + 2] * inv;
     }
   }
 }
 
-template <int D, typename T>
+template <int F, int D, typename T>
 void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::vector<at::Tensor>& tables,
             const at::Tensor& valid, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& khs,
             const at::Tensor& vc, const at::Tensor& vs, const at::Tensor& vhs, const std::vector<at::Tensor>& extents,
             int64_t block_size, const std::vector<int64_t>& per_split, const std::vector<int64_t>& n_splits,
             const std::vector<int64_t>& first, int64_t total, double qk_scale) {
   const int count = tables.size();
-  TORCH_CHECK(count >= 1 && count <= MAX_REGIONS, "nvfp4 partial kernel: ", count, " regions; accepted: 1 to ",
+  TORCH_CHECK(count >= 1 && count <= MAX_REGIONS, "packed partial kernel: ", count, " regions; accepted: 1 to ",
               MAX_REGIONS);
   TORCH_CHECK(extents.size() == tables.size() && per_split.size() == tables.size() &&
               n_splits.size() == tables.size() && first.size() == tables.size(),
-              "nvfp4 partial kernel: one extent, split length, split count and first result per region");
+              "packed partial kernel: one extent, split length, split count and first result per region");
   const int B = q.size(0), Hq = q.size(1), H = kc.size(1);
   Regions R{};
   int64_t splits = 0;
@@ -486,13 +532,13 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::v
     const at::Tensor& table = tables[r];
     const at::Tensor& extent = extents[r];
     TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == B && table.is_contiguous() &&
-                table.device() == q.device(), "nvfp4 partial kernel: region ", r,
+                table.device() == q.device(), "packed partial kernel: region ", r,
                 "'s table must be a contiguous int64 [", B, ", W] tensor on the query's device");
     TORCH_CHECK(extent.numel() == 0 || (extent.scalar_type() == at::kLong && extent.numel() == B &&
-                extent.is_contiguous() && extent.device() == q.device()), "nvfp4 partial kernel: region ", r,
+                extent.is_contiguous() && extent.device() == q.device()), "packed partial kernel: region ", r,
                 "'s extent must be empty or a contiguous int64 [", B, "] tensor on the query's device");
     TORCH_CHECK(n_splits[r] >= 1 && per_split[r] >= 1 && first[r] >= 0 && first[r] + n_splits[r] <= total,
-                "nvfp4 partial kernel: region ", r, " writes partial results ", first[r], " to ",
+                "packed partial kernel: region ", r, " writes partial results ", first[r], " to ",
                 first[r] + n_splits[r], " of ", total, " in splits of ", per_split[r], " tokens");
     R.table[r] = tables[r].data_ptr<int64_t>();
     R.extent[r] = extents[r].numel() > 0 ? extents[r].data_ptr<int64_t>() : nullptr;
@@ -500,10 +546,10 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::v
     splits += n_splits[r];
   }
   R.count = count;
-  TORCH_CHECK(splits <= 65535, "nvfp4 partial kernel: ", splits, " splits per (row, KV head); at most 65535");
+  TORCH_CHECK(splits <= 65535, "packed partial kernel: ", splits, " splits per (row, KV head); at most 65535");
   dim3 grid(B * H, splits);
   auto stream = at::cuda::getCurrentCUDAStream();
-  nvfp4_partial_kernel<D, T><<<grid, 32, 0, stream>>>(
+  packed_partial_kernel<F, D, T><<<grid, 32, 0, stream>>>(
       reinterpret_cast<const T*>(q.data_ptr()), part.data_ptr<float>(), lse.data_ptr<float>(),
       valid.data_ptr<uint8_t>(), kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(), khs.data_ptr<float>(),
       vc.data_ptr<uint8_t>(), vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(), R, H, Hq / H, (int)block_size,
@@ -511,31 +557,38 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::v
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int D, typename T>
+template <int F, int D, typename T>
 int64_t resident() {
   int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_partial_kernel<D, T>, 32, 0));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, packed_partial_kernel<F, D, T>, 32, 0));
   return n;
 }
 
 }  // namespace
 
-void nvfp4_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<at::Tensor> tables, at::Tensor valid,
-                   at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
-                   std::vector<at::Tensor> extents, int64_t block_size, std::vector<int64_t> per_split,
-                   std::vector<int64_t> n_splits, std::vector<int64_t> first, int64_t total, double qk_scale) {
+// fmt: 0 NVFP4 (head dims 64 and 128), 1 ternary (head dim 128: a thread's value eighth of 64
+// channels would be half a code word).
+void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<at::Tensor> tables, at::Tensor valid,
+                    at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
+                    std::vector<at::Tensor> extents, int64_t block_size, std::vector<int64_t> per_split,
+                    std::vector<int64_t> n_splits, std::vector<int64_t> first, int64_t total, double qk_scale,
+                    int64_t fmt) {
   const int64_t D = q.size(-1);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(D == 64 || D == 128, "nvfp4 partial kernel: head dim ", D, " not compiled; accepted: 64, 128");
-#define KVC_LAUNCH(DIM, TYPE) \
-  launch<DIM, TYPE>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, extents, block_size, per_split, n_splits, \
-                    first, total, qk_scale)
-  if (D == 128) { if (bf16) KVC_LAUNCH(128, __nv_bfloat16); else KVC_LAUNCH(128, __half); }
-  else { if (bf16) KVC_LAUNCH(64, __nv_bfloat16); else KVC_LAUNCH(64, __half); }
+  TORCH_CHECK((fmt == NVFP4 && (D == 64 || D == 128)) || (fmt == TERNARY && D == 128), "packed partial kernel: ",
+              fmt == TERNARY ? "ternary" : "nvfp4", " at head dim ", D, " not compiled; accepted: nvfp4 at 64 "
+              "and 128, ternary at 128");
+#define KVC_LAUNCH(FMT, DIM, TYPE) \
+  launch<FMT, DIM, TYPE>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, extents, block_size, per_split, \
+                         n_splits, first, total, qk_scale)
+  if (fmt == TERNARY) { if (bf16) KVC_LAUNCH(TERNARY, 128, __nv_bfloat16); else KVC_LAUNCH(TERNARY, 128, __half); }
+  else if (D == 128) { if (bf16) KVC_LAUNCH(NVFP4, 128, __nv_bfloat16); else KVC_LAUNCH(NVFP4, 128, __half); }
+  else { if (bf16) KVC_LAUNCH(NVFP4, 64, __nv_bfloat16); else KVC_LAUNCH(NVFP4, 64, __half); }
 #undef KVC_LAUNCH
 }
 
-int64_t nvfp4_resident(int64_t D, bool bf16) {
-  if (D == 128) return bf16 ? resident<128, __nv_bfloat16>() : resident<128, __half>();
-  return bf16 ? resident<64, __nv_bfloat16>() : resident<64, __half>();
+int64_t packed_resident(int64_t D, bool bf16, int64_t fmt) {
+  if (fmt == TERNARY) return bf16 ? resident<TERNARY, 128, __nv_bfloat16>() : resident<TERNARY, 128, __half>();
+  if (D == 128) return bf16 ? resident<NVFP4, 128, __nv_bfloat16>() : resident<NVFP4, 128, __half>();
+  return bf16 ? resident<NVFP4, 64, __nv_bfloat16>() : resident<NVFP4, 64, __half>();
 }
