@@ -275,7 +275,7 @@ def attention(lines: list[str]) -> None:
               "groups, as its preset) in their storage format plus a 16-token bf16 buffer; *mixed* is ThinKV's "
               "store (a ternary, an NVFP4 and an FP8 pool of a third of the tokens each). The op is timed "
               "as a CUDA-graph replay (its partial launches and the merge), once per kernel: *triton*, and *cuda* "
-              "(the CUDA kernel of NVFP4 pools) where it ran. TB/s counts the bytes the op "
+              "(the CUDA kernel, on the pools it takes) where it ran. TB/s counts the bytes the op "
               f"must read (codes, scales, block tables, validity, queries); copy bandwidth "
               f"**{data['copy_tb_per_s']:.2f} TB/s**. SDPA: bf16 K/V of the same logical tokens, flash backend, "
               f"no mask. Targets: {t['frac_copy']:.0%} of copy at the three larger shapes; speed-up "
@@ -447,7 +447,8 @@ def decode_profile(lines: list[str]) -> None:
               "random Llama-3-8B-shaped weights in bf16, the decoder layers fused as `fast_generate` runs them "
               "on CUDA. `nvjet_*` "
               "and `splitKreduce` are cuBLAS GEMMs (the weights), `_paged_partial_kernel` and "
-              "`nvfp4_partial_kernel` the fused attention, `triton_*` the decoder layers' fused norms, rotary, "
+              "`packed_partial_kernel` (`nvfp4_partial_kernel` in earlier runs) the fused attention, `triton_*` "
+              "the decoder layers' fused norms, rotary, "
               "SiLU and residual sums, the `at::native` kernels the cache's bookkeeping and what runs outside "
               "the fused layers. " + data.get("notes", ""), ""]
     replayed = all(r.get("replay_ms_per_step") is not None for r in recs)

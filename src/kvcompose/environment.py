@@ -47,12 +47,13 @@ def environment(root: Path | None = CHECKOUT, **extra) -> dict:
 
 
 def source_digest(root: Path) -> str:
-    """SHA-256 over the library's and the benchmarks' Python sources under ``root`` (path and
-    bytes, in path order). It names the code that ran even where the git metadata does not (a
+    """SHA-256 over the library's and the benchmarks' Python and CUDA sources under ``root`` (path
+    and bytes, in path order). It names the code that ran even where the git metadata does not (a
     copied tree, a dirty checkout): the same digest from a checkout of a commit means that
     commit's code."""
     digest = hashlib.sha256()
-    files = sorted(p for folder in ("src", "benchmarks") for p in (root / folder).rglob("*.py"))
+    files = sorted(p for folder in ("src", "benchmarks") for pattern in ("*.py", "*.cu")
+                   for p in (root / folder).rglob(pattern))
     for path in files:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()

@@ -65,6 +65,8 @@ def test_the_source_digest_names_the_code_that_ran(monkeypatch, tmp_path):
     (tmp_path / "src" / "a.py").write_text("x = 1\n")
     (tmp_path / "src" / "notes.txt").write_text("not code")
     assert source_digest(tmp_path) == first
+    (tmp_path / "src" / "kernel.cu").write_text("// a CUDA kernel the library builds")
+    assert source_digest(tmp_path) != first
 
 
 def test_the_cpu_bench_appends_a_labelled_run_of_kvcompose_bench(monkeypatch, tmp_path):
