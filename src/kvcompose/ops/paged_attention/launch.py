@@ -153,7 +153,7 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str =
         tuples = tuple(a + (src.tokens, 0, 1, total - len(riders) + i, 0,
                             no_extent if src.extent is None else src.extent)
                        for i, (a, src) in enumerate(zip(args, riders)))
-        _rider_merge_kernel[(B * H,)](q, part, lse, dst, final, total, scaling * LOG2E, tuples,
+        _rider_merge_kernel[(B * H, Hq // H)](q, part, lse, dst, final, total, scaling * LOG2E, tuples,
                                       SP=next_pow2(total), CHUNK=MERGE_CHUNK, num_warps=TILE_SHAPE[1],
                                       **{k: consts[k] for k in RIDER_MERGE_CONSTS})
     else:
@@ -280,8 +280,8 @@ def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool) ->
     recent buffer beside pools the CUDA kernel read, which would otherwise need a partial
     launch of its own (``RIDERS_IN_MERGE``: ``"native"``; ``"always"`` also where long
     sources stay in the Triton launch, ``"never"``). Not when scores are written, and not
-    where the merge slices channels (few rows, many splits: one program per (row, KV head)
-    walking every split would idle the GPU; :func:`paged_decode_triton` checks that).
+    where the merge slices channels (few rows, many splits: a program per query head walking
+    every split of whole rows would idle the GPU; :func:`paged_decode_triton` checks that).
 
     Where long sources stay in the Triton launch (an FP8 pool beside CUDA-read ones, or a
     ternary pool at head dim 64), the buffer rides on their programs instead: in the merge it
