@@ -4,7 +4,9 @@ Llama-3-8B shapes (32 query heads, 8 KV heads of 128), one query per row, B x L 
 {1 x 32K, 16 x 8K, 64 x 4K, 256 x 1K}, and 16 x 8K at head dim 64 (the embedded model's).
 Every format's tokens sit in shuffled 16-slot blocks of a pool (kivi2: 32-slot blocks and
 token groups, as its preset) plus a 16-token bf16 recent buffer; ``mixed`` is ThinKV's
-store, a ternary, an NVFP4 and an FP8 pool of a third of the tokens each. The op is timed
+store as the ``thinkv`` preset keeps it (``THINKV_FORMATS``): each thought class a third of
+the tokens, classes of one format as regions (block tables) of one pool, so R and E share an
+NVFP4 pool and T has a ternary one. The op is timed
 as a CUDA-graph replay (its partial launches and the merge), once per kernel that takes the
 format: ``triton`` always, ``cuda`` (the CUDA kernel of NVFP4 and ternary pools) where it is built.
 Reported per (format, kernel, shape): milliseconds, effective TB/s on the bytes the op must
@@ -32,6 +34,7 @@ from harness.results import ResultLog, result_path
 from harness.table import format_table
 from harness.timing import copy_tbps, graph_ms
 from kvcompose import registry
+from kvcompose.policies.presets import THINKV_FORMATS
 from kvcompose.ops.paged_attention import (
     KVOperand,
     PagedSource,
@@ -45,7 +48,7 @@ from kvcompose.ops.paged_attention.launch import NATIVE_TILE, TILE_SHAPE
 Q_HEADS, KV_HEADS, BLOCK, BUFFER = 32, 8, 16, 16
 SHAPES = [(1, 32768, 128), (16, 8192, 128), (64, 4096, 128), (256, 1024, 128), (16, 8192, 64)]  # (B, L, head dim)
 SMOKE_SHAPES = [(1, 4096, 128), (16, 1024, 64)]
-MIXED = ("ternary", "nvfp4", "fp8")  # thinkv's store: a pool per format, a third of the tokens each
+MIXED = THINKV_FORMATS  # the mixed store: thought class -> format, a third of the tokens each
 FORMATS = {  # label -> (key quantizer spec, value quantizer spec); None: bf16 as stored
     "bf16": (None, None),
     "fp8": ("fp8", "fp8"),
@@ -76,20 +79,40 @@ def operand(spec, role: str, x: torch.Tensor, row_of: torch.Tensor, B: int) -> K
 
 
 def build(label: str, B: int, L: int, device, dim: int = 128, seed: int = 0) -> list[PagedSource]:
-    """The pool + buffer sources of ``B`` rows of ``L`` tokens of head dim ``dim``; ``mixed``: a
-    pool of each format of ``MIXED`` (a third of the tokens each) and the buffer."""
+    """The pool + buffer sources of ``B`` rows of ``L`` tokens of head dim ``dim``; ``mixed``:
+    see :func:`build_mixed`."""
     if label == "mixed":
-        parts = [build(fmt, B, (L - BUFFER) // 3 + BUFFER, device, dim, i) for i, fmt in enumerate(MIXED)]
-        return [p[0] for p in parts] + [parts[0][1]]
+        return build_mixed(B, L, device, dim)
+    return build_pool(FORMATS[label], BLOCK_SIZES.get(label, BLOCK), B, L, device, dim, seed)
+
+
+def build_mixed(B: int, L: int, device, dim: int) -> list[PagedSource]:
+    """ThinKV's store: each class of ``MIXED`` a third of the pool tokens, the classes of one
+    format as regions of one pool (each row's blocks of that pool cut into one run of table
+    columns per class, as the store keeps its R and E regions), and the buffer."""
+    classes_of: dict[str, list[str]] = {}
+    for name, spec in MIXED.items():
+        classes_of.setdefault(spec["name"], []).append(name)
+    share = (L - BUFFER) // len(MIXED)
+    sources, buffer = [], None
+    for seed, classes in enumerate(classes_of.values()):
+        pool, buffer = build_pool((MIXED[classes[0]],) * 2, BLOCK, B, share * len(classes) + BUFFER, device, dim, seed)
+        edges = [pool.table.shape[1] * i // len(classes) for i in range(len(classes) + 1)]
+        sources += [dataclasses.replace(pool, table=pool.table[:, a:b].contiguous()) for a, b in zip(edges, edges[1:])]
+    return sources + [buffer]
+
+
+def build_pool(specs: tuple, bs: int, B: int, L: int, device, dim: int, seed: int) -> list[PagedSource]:
+    """A pool of ``L`` minus the buffer's tokens per row in ``bs``-slot blocks, keys and values
+    quantized by ``specs`` (None: bf16 as stored), and the buffer."""
     g = torch.Generator(device=device).manual_seed(seed)
     pool_tokens = L - BUFFER
-    bs = BLOCK_SIZES.get(label, BLOCK)
     W = pool_tokens // bs  # kivi2: 16 tokens fewer than L - BUFFER (whole 32-slot blocks)
     perm = torch.randperm(B * W, device=device, generator=g)
     table = perm.view(B, W)
     row_of = torch.arange(B, device=device).repeat_interleave(W)[torch.argsort(perm)].repeat_interleave(bs)
     n = B * W * bs
-    kspec, vspec = FORMATS[label]
+    kspec, vspec = specs
     # Quantize in chunks to bound the temporary bf16 tensors.
     k = torch.randn(n, KV_HEADS, dim, device=device, dtype=torch.bfloat16, generator=g)
     key = operand(kspec, "key", k, row_of, B)

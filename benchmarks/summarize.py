@@ -264,6 +264,19 @@ def full_attention_grid(runs: list[dict]) -> dict | None:
     return full[-1] if full else None
 
 
+def mixed_store(mixed) -> str:
+    """What the *mixed* rows of an attention run hold, from the run's ``shapes.mixed``: a list of
+    formats (runs before the store followed the ``thinkv`` preset: a pool of each, ThinKV's
+    R8E4T2 mapping) or the preset's class -> format map."""
+    if isinstance(mixed, dict):
+        classes = ", ".join(f"{c} {spec['name'].upper() if spec['name'] == 'nvfp4' else spec['name']}"
+                            for c, spec in mixed.items())
+        return (f"ThinKV's store as the `thinkv` preset keeps it ({classes}; each class a third of the tokens, "
+                "classes of one format as regions of one pool)")
+    names = [{"nvfp4": "an NVFP4", "fp8": "an FP8", "ternary": "a ternary"}.get(f, f) for f in mixed]
+    return f"ThinKV's R8E4T2 mapping ({', '.join(names[:-1])} and {names[-1]} pool of a third of the tokens each)"
+
+
 def attention(lines: list[str]) -> None:
     data = full_attention_grid(read_runs(RESULTS / "attention_gpu.json"))
     if not data:
@@ -272,8 +285,8 @@ def attention(lines: list[str]) -> None:
     lines += ["## Fused paged decode attention", "", f"`attention_gpu.json` — {_env(data)}", "",
               "One decode step of one layer at Llama-3-8B shapes (32 query heads, 8 KV heads of 128, and head dim "
               "64 where D says so): the tokens sit in shuffled 16-slot blocks (kivi2: 32-slot blocks and token "
-              "groups, as its preset) in their storage format plus a 16-token bf16 buffer; *mixed* is ThinKV's "
-              "store (a ternary, an NVFP4 and an FP8 pool of a third of the tokens each). The op is timed "
+              "groups, as its preset) in their storage format plus a 16-token bf16 buffer; *mixed* is "
+              f"{mixed_store(data['shapes'].get('mixed', ['ternary', 'nvfp4', 'fp8']))}. The op is timed "
               "as a CUDA-graph replay (its partial launches and the merge), once per kernel: *triton*, and *cuda* "
               "(the CUDA kernel, on the pools it takes) where it ran. TB/s counts the bytes the op "
               f"must read (codes, scales, block tables, validity, queries); copy bandwidth "

@@ -1,0 +1,37 @@
+"""The attention benchmark's mixed store is ThinKV's store as its preset keeps it."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_attention_gpu
+        yield bench_attention_gpu
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_the_mixed_store_holds_thinkvs_classes_as_the_preset_stores_them(bench):
+    from kvcompose.ops.paged_attention import paged_decode_attention_torch
+    from kvcompose.ops.paged_attention.native import pool_of
+    from kvcompose.policies.presets import THINKV_FORMATS
+
+    B, L = 2, 3 * 64 + bench.BUFFER
+    sources = bench.build("mixed", B, L, "cpu", dim=64)
+    *regions, buffer = sources
+    assert [s.key.fmt for s in regions] == [spec["name"] for spec in THINKV_FORMATS.values()]  # R, E, T
+    r, e, t = regions
+    assert pool_of(r) == pool_of(e) != pool_of(t)  # R and E: regions of one NVFP4 pool
+    assert [s.tokens for s in regions] == [64, 64, 64] and buffer.tokens == bench.BUFFER
+    slots = torch.cat([s.slots().reshape(-1) for s in (r, e)])
+    assert slots.unique().numel() == slots.numel()  # the regions hold different blocks of the pool
+    query = torch.randn(B, bench.Q_HEADS, 1, 64)
+    assert paged_decode_attention_torch(query, sources, 0.125).isfinite().all()
