@@ -24,3 +24,32 @@ def test_every_variant_applies_to_the_kernel_source(probe):
         for old, new in substitutions + probe.ONLY_BF16_128:
             assert old in source, f"variant {name}: {old!r} is no longer in {probe.native.SOURCE.name}"
             assert new != old
+
+
+@pytest.fixture(scope="module")
+def compile_tool():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import native_compile
+        yield native_compile
+    finally:
+        sys.path.remove(str(TOOLS))
+
+
+def test_the_compile_tool_instantiates_every_kernel_the_launcher_dispatches_to(compile_tool):
+    from kvcompose.ops.paged_attention import native
+
+    source = compile_tool.SOURCE.read_text()
+    assert set(compile_tool.KERNELS) == compile_tool.dispatched(source)
+    codes = compile_tool.format_codes(source)
+    assert {name.lower(): code for name, code in codes.items()} == native.FORMATS  # the host's fmt codes
+    device = compile_tool.device_source(source)
+    assert "torch/extension.h" not in device and device.count("packed_partial_kernel<") == len(compile_tool.KERNELS)
+
+
+def test_the_compile_tool_builds_the_kernels_where_nvcc_is_installed(compile_tool):
+    nvcc = compile_tool.find_nvcc(None)
+    if nvcc is None:
+        pytest.skip("no nvcc (CUDA_HOME or PATH): benchmarks/tools/native_compile.py --nvcc compiles the kernels")
+    lines = compile_tool.compile_kernels(nvcc, [])
+    assert len(lines) == len(compile_tool.KERNELS) and all("registers" in line for line in lines)
