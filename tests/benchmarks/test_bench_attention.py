@@ -1,6 +1,5 @@
 """The attention benchmark's mixed store is ThinKV's store as its preset keeps it."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,14 +8,12 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_attention_gpu
-        yield bench_attention_gpu
-    finally:
-        sys.path.remove(str(BENCH))
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_attention_gpu
+
+    return bench_attention_gpu
 
 
 def test_the_mixed_store_holds_thinkvs_classes_as_the_preset_stores_them(bench):

@@ -26,14 +26,12 @@ def test_every_variant_applies_to_the_kernel_source(probe):
             assert new != old
 
 
-@pytest.fixture(scope="module")
-def compile_tool():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import native_compile
-        yield native_compile
-    finally:
-        sys.path.remove(str(TOOLS))
+@pytest.fixture
+def compile_tool(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import native_compile
+
+    return native_compile
 
 
 def test_the_compile_tool_instantiates_every_kernel_the_launcher_dispatches_to(compile_tool):
