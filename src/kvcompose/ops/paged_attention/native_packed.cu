@@ -56,7 +56,9 @@ struct Shape {
 
 // Channel, among a thread's decoded registers, of element e of register r: registers come in
 // groups of four covering 8 channels (fp4_word's order; ternary_word keeps it).
-__device__ __forceinline__ int word_channel(int r, int e) { return 8 * (r >> 2) + (r & 1) * 4 + ((r >> 1) & 1) + 2 * e; }
+__device__ __forceinline__ int word_channel(int r, int e) {
+  return 8 * (r >> 2) + (r & 1) * 4 + ((r >> 1) & 1) + 2 * e;
+}
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
