@@ -16,8 +16,11 @@ def bench(monkeypatch):
     return bench_attention_gpu
 
 
-def test_the_mixed_store_holds_thinkvs_classes_as_the_preset_stores_them(bench):
+def test_the_mixed_store_holds_thinkvs_classes_as_the_preset_stores_them(bench, monkeypatch):
+    from kvcompose.ops import dispatch
     from kvcompose.ops.paged_attention import paged_decode_attention_torch
+
+    monkeypatch.setattr(dispatch, "use_triton", lambda *args: False)  # the layout is under test: torch quantizes
     from kvcompose.ops.paged_attention.native import pool_of
     from kvcompose.policies.presets import THINKV_FORMATS
 
