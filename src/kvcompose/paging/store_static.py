@@ -145,17 +145,6 @@ class StoreStatic:
         return evict_one_in_place(source.table, source.block_size, meta, buffer, self.buf_len,
                                   prompt_columns=self.prompt_columns or 0, bad=self.overflow, **choice)
 
-    def static_layout(self) -> tuple:
-        """Static mode: what the kernels of a decode step are specialized on (every fixed
-        shape and dtype, the trash slots, the column counts): two stores with equal layouts
-        run the same compiled kernels."""
-        tensors = [self.buf_k, *self.buf_meta.values()] + [r.table for r in self.regions]
-        for pool in self.pools.values():
-            tensors += [*pool.slots.values(), *pool.blocks.values(), *pool.meta.values()]
-        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        trash = tuple(pool.trash_slot for pool in self.pools.values())
-        return shapes, trash, self.columns_seen, self.columns_limit, self.prompt_columns
-
     def _buffer_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every per-slot tensor of the buffer with the value of an empty slot."""
         return [(self.buf_k, 0), (self.buf_v, 0)] + [(t, empty_value(n)) for n, t in self.buf_meta.items()]
