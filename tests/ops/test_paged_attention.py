@@ -1,5 +1,7 @@
 """The fused paged decode attention: kernel vs torch reference, store integration, end-to-end parity."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from kvcompose.ops.paged_attention import (
     EXACT_FORMATS,
     KVOperand,
     PagedSource,
+    bytes_read,
     kernels,
     launch,
     paged_decode_attention,
@@ -171,6 +174,16 @@ def test_mixed_formats_holes_and_buffer_in_one_call(monkeypatch):
                make_source("dense", [5, 0, 15], 2, 64, bs=15, seed=3)]
     check_close(torch.randn(3, 8, 1, 64).to(torch.bfloat16), sources)
     assert launches == {"_paged_partial_kernel": 1, "_merge_kernel": 1}
+
+
+def test_regions_of_one_pool_count_its_bytes_once():
+    """ThinKV's R and E are regions of one pool: reading both reads the pool once."""
+    src = make_source("nvfp4", [64, 48], 2, 64)
+    query = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)
+    halves = [dataclasses.replace(src, table=src.table[:, a:b].contiguous()) for a, b in ((0, 2), (2, 4))]
+    assert src.table.shape[1] == 4
+    assert bytes_read(halves, query) == bytes_read([src], query)
+    assert bytes_read([src, src], query) == bytes_read([src], query)
 
 
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
