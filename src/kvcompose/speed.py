@@ -283,7 +283,8 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     evicting = summary["eager_steps"] + summary.get("eviction_steps", 0)
     out.update(eager_steps=summary["eager_steps"], eviction_steps=summary.get("eviction_steps", 0),
                refresh_steps=summary.get("refresh_steps", 0), replays=summary["replays"],
-               eviction_call_rate=evicting / max(new - 1, 1), fused=summary.get("fused"))
+               eviction_call_rate=evicting / max(new - 1, 1), fused=summary.get("fused"),
+               warm_ups=summary.get("warm_ups", 0))
     if summary.get("ms_by_kind"):
         out.update(decode_time_split(summary))
     if inspect is not None:

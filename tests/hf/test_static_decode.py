@@ -6,7 +6,7 @@ import torch
 from conftest import SHORT_RUN_EVICTION, char_tokenizer, greedy, left_padded
 from sync_guard import HostSyncError, forced_step_kernels, no_host_sync
 from kvcompose import Policy
-from kvcompose.hf.static import STEP_RANGE, fast_generate
+from kvcompose.hf.static import STEP_RANGE, decode_signature, fast_generate
 from kvcompose.runtime.schedule import Schedule, static_capacity
 
 # Small budgets and periods so that every trigger fires within a short run.
@@ -197,6 +197,65 @@ def test_steps_between_eager_ones_never_read_the_device(llama, preset, monkeypat
         assert decoder.eviction_steps + decoder.refresh_steps == 1
 
 
+def test_a_later_decode_of_the_same_layout_knows_which_variants_are_compiled():
+    """The graph variants a decode ran are remembered by model and decode signature: a later
+    decode with the same layout captures them without an eager first run; another layout
+    (a shorter prompt here) does not count them."""
+    model = head_dim_64_llama()
+    policy = Policy.from_preset("h2o", **POLICIES["h2o"])
+    _, ids, mask = left_padded([20, 13, 31])
+    caches = [policy.make_cache(model) for _ in range(3)]
+    for cache, cut in zip(caches, (0, 0, 1)):
+        fast_generate(model, cache, ids[:, cut:], mask[:, cut:], 24)
+    first, again, shorter = (cache.static_decoder for cache in caches)
+    assert len(first.warm) >= 2  # plain steps and evictions
+    assert first.summary()["variants_warmed_before"] == 0 == shorter.summary()["variants_warmed_before"]
+    assert again.summary()["variants_warmed_before"] == len(first.warm)
+    assert decode_signature(caches[0], False) == decode_signature(caches[1], False) != decode_signature(caches[2], False)
+
+
+def _state_tensors(obj, path="cache", out=None, seen=None) -> dict:
+    """Every tensor reachable from ``obj`` through attributes, dicts, lists and tuples, by path
+    (models and the static decoder left out: not state that a step keeps)."""
+    out, seen = ({}, set()) if out is None else (out, seen)
+    if isinstance(obj, torch.Tensor):
+        out[path] = obj
+    elif id(obj) not in seen and not isinstance(obj, (str, int, float, bool, type, torch.nn.Module)) \
+            and obj is not None:
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            items = ((f"{path}[{k!r}]", v) for k, v in obj.items())
+        elif isinstance(obj, (list, tuple)):
+            items = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+        else:
+            items = ((f"{path}.{k}", v) for k, v in getattr(obj, "__dict__", {}).items() if k != "static_decoder")
+        for sub_path, value in items:
+            _state_tensors(value, sub_path, out, seen)
+    return out
+
+
+@pytest.mark.parametrize("preset", sorted(POLICIES))
+def test_every_tensor_a_step_keeps_exists_before_the_first_step(llama, preset, monkeypatch):
+    """A tensor first made inside a captured step would belong to the graph, its making replayed
+    at every step; a decode that captures without an eager first run (an earlier decode of the
+    same layout compiled the kernels) relies on this."""
+    from kvcompose.hf import static
+
+    policy = Policy.from_preset(preset, **POLICIES[preset])
+    _, ids, mask = left_padded([20, 13, 31])
+    cache = policy.make_cache(llama)
+    decode, before = static._decode, {}
+
+    def noted_decode(decoder, *args):
+        before.update({path: id(t) for path, t in _state_tensors(cache).items()})
+        return decode(decoder, *args)
+
+    monkeypatch.setattr(static, "_decode", noted_decode)
+    fast_generate(llama, cache, ids, mask, 24)
+    made = sorted(path for path, t in _state_tensors(cache).items() if before.get(path) != id(t))
+    assert before and made == []
+
+
 def test_capacity_follows_the_trigger():
     assert static_capacity(Policy.from_preset("fullkv"), 100, 50) == 150
     assert static_capacity(Policy.from_preset("rkv", budget=64), 100, 500) == 100 + 128 + 16
@@ -298,15 +357,20 @@ def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(pres
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["fullkv", "nvfp4", "rkv", "thinkv", "streamingllm", "h2o"])
 def test_graph_replay_gives_the_eager_static_tokens(preset):
+    """The first graphed decode runs each variant eagerly before capturing it; a later one of
+    the same layout captures each at its first step. Both give the unreplayed tokens."""
     model = head_dim_64_llama("cuda")
     policy = Policy.from_preset(preset, **POLICIES[preset])
     _, ids, mask = left_padded([20, 13, 31])
     ids, mask = ids.cuda(), mask.cuda()
-    plain = fast_generate(model, policy.make_cache(model), ids, mask, 60, graphs=False)
-    cache = policy.make_cache(model)
-    graphed = fast_generate(model, cache, ids, mask, 60, graphs=True)
-    assert torch.equal(plain, graphed)
-    assert cache.static_decoder.replays > 0
+    caches = [policy.make_cache(model) for _ in range(3)]
+    first = fast_generate(model, caches[0], ids, mask, 60, graphs=True)
+    plain = fast_generate(model, caches[1], ids, mask, 60, graphs=False)
+    later = fast_generate(model, caches[2], ids, mask, 60, graphs=True)
+    assert torch.equal(plain, first) and torch.equal(plain, later)
+    warmed, again = caches[0].static_decoder, caches[2].static_decoder
+    assert warmed.warm_ups > 0 and warmed.replays > 0 and again.replays > 0
+    assert again.warm_ups == 0 and again.warmed_before == warmed.warm_ups
 
 
 @pytest.mark.parametrize("pager", ["gather", "ct"])

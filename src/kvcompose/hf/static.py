@@ -8,15 +8,18 @@ synchronization. What differs between steps is known on the host in advance: a
 must run eagerly (a trigger fires, the classifier refreshes), by running the policy's
 own trigger on the counts that each step adds. Graph-safe evictions and classifier
 refreshes happen inside the step too; the other steps replay one of the captured CUDA
-graphs (one per combination of flush, eviction and refresh). On CPU, or with ``graphs=False``, the
-same steps run eagerly: that is how the tests check that this path gives the tokens of
-the eager path.
+graphs (one per combination of flush, eviction and refresh). Each variant runs once eagerly
+before its capture, which compiles its kernels; a later decode in the same process whose
+stores have the same layout (:func:`decode_signature`) captures it at its first step instead.
+On CPU, or with ``graphs=False``, the same steps run eagerly: that is how the tests check
+that this path gives the tokens of the eager path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import time
 import weakref
 import torch
@@ -52,10 +55,19 @@ def step_kind(plan: StepPlan, replay: bool, first: bool, graphs: bool) -> str:
     return "replay" if replay else "plain"
 
 
+def decode_signature(cache, fused: bool) -> tuple:
+    """What the compiled kernels of a static decode step depend on besides the model: the
+    policy, whether the layers are fused, and every store's fixed layout
+    (:meth:`~kvcompose.paging.store_static.StoreStatic.static_layout`)."""
+    policy = json.dumps(cache.policy.to_config(), sort_keys=True, default=str)
+    return fused, policy, tuple(layer.store.static_layout() for layer in cache.layers)
+
+
 class StaticDecoder:
     """Runs decode steps of a prefilled cache in static mode; with ``graphs``, the steps that
-    are not eager replay captured CUDA graphs (each variant runs once eagerly first, which
-    compiles its kernels, then is captured)."""
+    are not eager replay captured CUDA graphs. Each variant runs once eagerly first, which
+    compiles its kernels, then is captured; a variant that already ran so in this process, on
+    the same model with the same :func:`decode_signature`, is captured at its first step."""
 
     cache = OwningCache()  # weak: the cache owns this part
 
@@ -73,7 +85,11 @@ class StaticDecoder:
         self.cache_position = self.counters[B:]
         self.graphs = graphs
         self.captured: dict[tuple[bool, bool, bool], tuple] = {}  # StepPlan.graph_key -> graph, logits
-        self.warm: set[tuple[bool, bool, bool]] = set()
+        # the variants whose kernels are compiled: those an earlier decode ran with the same signature
+        self._warmed_here = _WARMED.setdefault(model, {}).setdefault(decode_signature(cache, fused), set())
+        self.warmed_before = len(self._warmed_here)
+        self.warm: set[tuple[bool, bool, bool]] = set(self._warmed_here) if graphs else set()
+        self.warm_ups = 0  # eager first runs of graph variants (graphs only)
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.eager_steps = 0
         self.eviction_steps = 0  # scheduled eviction steps (replayed once captured; refreshes included)
@@ -120,6 +136,8 @@ class StaticDecoder:
         if not replay:
             if not plan.eager:
                 self.warm.add(key)
+                self._warmed_here.add(key)
+                self.warm_ups += self.graphs
             self.eager_steps += plan.eager
             logits = self._forward()
         else:
@@ -151,12 +169,15 @@ class StaticDecoder:
             self._host_s += seconds - self.replay_call_s
 
     def summary(self) -> dict:
-        """Steps by kind and, when profiling, milliseconds of decode time and steps by the
+        """Steps by kind (``warm_ups``: eager first runs of graph variants;
+        ``variants_warmed_before``: variants an earlier decode of the same signature compiled)
+        and, when profiling, milliseconds of decode time and steps by the
         kinds of :func:`step_kind`, host milliseconds per replayed plain step, the one-time
         work's milliseconds by kind and graph variant (``"warm-up evict"``) and the host's
         seconds in graph captures."""
         out = {"fused": self.fused, "eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps,
-               "refresh_steps": self.refresh_steps, "replays": self.replays}
+               "refresh_steps": self.refresh_steps, "replays": self.replays, "warm_ups": self.warm_ups,
+               "variants_warmed_before": self.warmed_before}
         if self.profile and self._events:
             torch.cuda.synchronize()
             ms: dict[str, float] = {}
@@ -201,6 +222,11 @@ class StaticDecoder:
             ) from exc
         return graph, logits
 
+
+#: Graph variants (:attr:`StepPlan.graph_key`) that ran eagerly, by model and
+#: :func:`decode_signature`: their kernels are compiled, so a later decode of the same layout
+#: captures them without an eager first run.
+_WARMED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, set]]" = weakref.WeakKeyDictionary()
 
 #: Decoders that have captured graphs. A full garbage collection takes time in proportion to
 #: the process's Python objects (a compiled model adds many), so the one before a capture runs

@@ -51,6 +51,10 @@ class SlotCodec:
         """Raise for bad input that earlier :meth:`encode` calls only recorded (formats that check
         on the device defer the check so that encoding never waits for the GPU); default: none."""
 
+    def prepare(self, device) -> None:
+        """Make now what :meth:`encode` keeps between calls (an error flag): static decode calls
+        this when it fixes the capacity, so that no captured step makes it; default: nothing."""
+
     def error_flags(self) -> torch.Tensor | None:
         """The device tensor :meth:`check_errors` reads (non-zero: an error is pending), so a caller
         can test many codecs with one host synchronization; None if the codec records nothing."""

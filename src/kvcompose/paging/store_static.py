@@ -35,6 +35,7 @@ class StoreStatic:
             raise ValueError("this store is already in static mode")
         incoming = None if columns_limit is None else columns_limit - self.columns_seen + self.buffer_capacity
         for pool in self.pools.values():
+            pool.codec.prepare(self.device)
             regions = [r for r in self.regions if r.pool is pool]
             width = -(-tokens // pool.block_size)
             widths = [r.fixed_width(r.width_to_come(width, incoming)) for r in regions]
@@ -144,6 +145,17 @@ class StoreStatic:
         buffer = {"k": self.buf_k, "v": self.buf_v, **self.buf_meta}
         return evict_one_in_place(source.table, source.block_size, meta, buffer, self.buf_len,
                                   prompt_columns=self.prompt_columns or 0, bad=self.overflow, **choice)
+
+    def static_layout(self) -> tuple:
+        """Static mode: what the kernels of a decode step are specialized on (every fixed
+        shape and dtype, the trash slots, the column counts): two stores with equal layouts
+        run the same compiled kernels."""
+        tensors = [self.buf_k, *self.buf_meta.values()] + [r.table for r in self.regions]
+        for pool in self.pools.values():
+            tensors += [*pool.slots.values(), *pool.blocks.values(), *pool.meta.values()]
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        trash = tuple(pool.trash_slot for pool in self.pools.values())
+        return shapes, trash, self.columns_seen, self.columns_limit, self.prompt_columns
 
     def _buffer_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every per-slot tensor of the buffer with the value of an empty slot."""

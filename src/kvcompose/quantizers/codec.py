@@ -98,6 +98,9 @@ class QuantCodec(SlotCodec):
             self._flags = new_flags(device)
         return self._flags
 
+    def prepare(self, device) -> None:
+        self._error_flags(device)
+
     def error_flags(self) -> torch.Tensor | None:
         return self._flags
 

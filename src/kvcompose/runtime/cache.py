@@ -86,6 +86,7 @@ class CacheRuntime:
         device = self.layers[0].store.device
         self._in_use_device = torch.tensor(self._in_use, dtype=torch.long, device=device)
         self._peak_device = torch.tensor(self._peak, dtype=torch.long, device=device)
+        self.counters.begin_static(device)
         for layer in self.layers:
             layer.fix_capacity(tokens, columns_limit)
 

@@ -38,11 +38,16 @@ class StepCounters:
     def note_eviction(self) -> None:
         self._evicted_this_step = True
 
+    def begin_static(self, device) -> None:
+        """Static decode: make the device counters before any step runs. A tensor made inside a
+        captured step would belong to the graph, and the graph would zero it at every replay."""
+        if self._evicted_now is None:
+            self._evicted_now = torch.zeros((), dtype=torch.bool, device=device)
+            self._evicting_steps_device = torch.zeros((), dtype=torch.long, device=device)
+
     def note_eviction_on_device(self, fired: torch.Tensor) -> None:
         """An eviction inside a captured step: ``fired`` (0-d bool) marks the step as evicting."""
-        if self._evicted_now is None:
-            self._evicted_now = torch.zeros((), dtype=torch.bool, device=fired.device)
-            self._evicting_steps_device = torch.zeros((), dtype=torch.long, device=fired.device)
+        self.begin_static(fired.device)
         self._evicted_now |= fired
 
     def report(self) -> dict:
