@@ -268,12 +268,14 @@ def mixed_store(mixed) -> str:
     """What the *mixed* rows of an attention run hold, from the run's ``shapes.mixed``: a list of
     formats (runs before the store followed the ``thinkv`` preset: a pool of each, ThinKV's
     R8E4T2 mapping) or the preset's class -> format map."""
+    def shown(fmt: str) -> str:
+        return {"nvfp4": "NVFP4", "fp8": "FP8"}.get(fmt, fmt)
+
     if isinstance(mixed, dict):
-        classes = ", ".join(f"{c} {spec['name'].upper() if spec['name'] == 'nvfp4' else spec['name']}"
-                            for c, spec in mixed.items())
+        classes = ", ".join(f"{c} {shown(spec['name'])}" for c, spec in mixed.items())
         return (f"ThinKV's store as the `thinkv` preset keeps it ({classes}; each class a third of the tokens, "
                 "classes of one format as regions of one pool)")
-    names = [{"nvfp4": "an NVFP4", "fp8": "an FP8", "ternary": "a ternary"}.get(f, f) for f in mixed]
+    names = [("an " if shown(f)[0] in "NF" else "a ") + shown(f) for f in mixed]
     return f"ThinKV's R8E4T2 mapping ({', '.join(names[:-1])} and {names[-1]} pool of a third of the tokens each)"
 
 
