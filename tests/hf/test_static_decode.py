@@ -214,6 +214,18 @@ def test_a_later_decode_of_the_same_layout_knows_which_variants_are_compiled():
     assert decode_signature(caches[0], False) == decode_signature(caches[1], False) != decode_signature(caches[2], False)
 
 
+def test_a_model_remembers_a_bounded_number_of_signatures(monkeypatch):
+    from kvcompose.hf import static
+
+    monkeypatch.setattr(static, "SIGNATURES_KEPT", 2)
+    model = torch.nn.Linear(1, 1)
+    static._warmed_variants(model, ("a",)).add((False, False, False))
+    static._warmed_variants(model, ("b",))
+    assert static._warmed_variants(model, ("a",)) == {(False, False, False)}  # now the newest
+    static._warmed_variants(model, ("c",))
+    assert list(static._WARMED[model]) == [("a",), ("c",)]
+
+
 def _state_tensors(obj, path="cache", out=None, seen=None) -> dict:
     """Every tensor reachable from ``obj`` through attributes, dicts, lists and tuples, by path
     (models and the static decoder left out: not state that a step keeps)."""

@@ -86,7 +86,7 @@ class StaticDecoder:
         self.graphs = graphs
         self.captured: dict[tuple[bool, bool, bool], tuple] = {}  # StepPlan.graph_key -> graph, logits
         # the variants whose kernels are compiled: those an earlier decode ran with the same signature
-        self._warmed_here = _WARMED.setdefault(model, {}).setdefault(decode_signature(cache, fused), set())
+        self._warmed_here = _warmed_variants(model, decode_signature(cache, fused))
         self.warmed_before = len(self._warmed_here)
         self.warm: set[tuple[bool, bool, bool]] = set(self._warmed_here) if graphs else set()
         self.warm_ups = 0  # eager first runs of graph variants (graphs only)
@@ -227,6 +227,20 @@ class StaticDecoder:
 #: :func:`decode_signature`: their kernels are compiled, so a later decode of the same layout
 #: captures them without an eager first run.
 _WARMED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, set]]" = weakref.WeakKeyDictionary()
+#: Signatures remembered per model (the oldest is forgotten first): a server that sees many
+#: prompt lengths keeps a bounded record.
+SIGNATURES_KEPT = 64
+
+
+def _warmed_variants(model, signature: tuple) -> set:
+    """The set of variants warmed under ``signature`` on ``model`` (new and empty if none),
+    which the caller adds to; it becomes the newest signature."""
+    by_signature = _WARMED.setdefault(model, {})
+    variants = by_signature.pop(signature, set())
+    by_signature[signature] = variants
+    while len(by_signature) > SIGNATURES_KEPT:
+        by_signature.pop(next(iter(by_signature)))
+    return variants
 
 #: Decoders that have captured graphs. A full garbage collection takes time in proportion to
 #: the process's Python objects (a compiled model adds many), so the one before a capture runs
