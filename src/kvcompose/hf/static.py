@@ -85,10 +85,9 @@ class StaticDecoder:
         self.cache_position = self.counters[B:]
         self.graphs = graphs
         self.captured: dict[tuple[bool, bool, bool], tuple] = {}  # StepPlan.graph_key -> graph, logits
-        # the variants whose kernels are compiled: those an earlier decode ran with the same signature
-        self._warmed_here = _warmed_variants(model, decode_signature(cache, fused))
-        self.warmed_before = len(self._warmed_here)
-        self.warm: set[tuple[bool, bool, bool]] = set(self._warmed_here) if graphs else set()
+        # the variants whose kernels are compiled, shared by the decodes of the same model and signature
+        self.warm: set[tuple[bool, bool, bool]] = _warmed_variants(model, decode_signature(cache, fused))
+        self.warmed_before = len(self.warm)
         self.warm_ups = 0  # eager first runs of graph variants (graphs only)
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.eager_steps = 0
@@ -136,7 +135,6 @@ class StaticDecoder:
         if not replay:
             if not plan.eager:
                 self.warm.add(key)
-                self._warmed_here.add(key)
                 self.warm_ups += self.graphs
             self.eager_steps += plan.eager
             logits = self._forward()
