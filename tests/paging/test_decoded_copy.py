@@ -137,9 +137,9 @@ def test_static_steps_keep_the_copy_without_reading_the_device(name, monkeypatch
     encoders' torch references used here do synchronize; the kernels do not.)"""
     from sync_guard import no_host_sync
 
-    from kvcompose.paging import store as store_module
+    from kvcompose.paging import store_static as static_module
 
-    decode = store_module.decoded_slots
+    decode = static_module.decoded_slots
     calls = []
 
     def guarded(*args):
@@ -147,7 +147,7 @@ def test_static_steps_keep_the_copy_without_reading_the_device(name, monkeypatch
         with no_host_sync():
             return decode(*args)
 
-    monkeypatch.setattr(store_module, "decoded_slots", guarded)
+    monkeypatch.setattr(static_module, "decoded_slots", guarded)
     store = make_store(name, residual=16)
     append(store, 37, 0)
     store.fix_capacity(37 + 20)

@@ -117,6 +117,20 @@ class BlockPool:
         """Group-indexed views of per-block tensors (a block holds ``block_size / group_tokens`` groups)."""
         return {n: t.view(-1, *t.shape[2:]) for n, t in self.blocks.items()}
 
+    def write(self, slot: torch.Tensor, slots: dict, groups: dict, meta: dict) -> None:
+        """Store ``M`` encoded tokens at pool slots ``slot`` ``[M]``: their per-slot tensors and
+        metadata (``[M, ...]``), and their per-group tensors (``[M / group_tokens, ...]``) at
+        the groups whose first slots they fill."""
+        for name, flat in self.flat_slots(self.slots).items():
+            flat[slot] = slots[name]
+        for name, flat in self.flat_slots(self.meta).items():
+            flat[slot] = meta[name]
+        if groups:
+            g = self.codec.group_tokens
+            first = slot[::g] // g  # group index = first slot of the group / group size
+            for name, flat in self.flat_groups().items():
+                flat[first] = groups[name]
+
     # ------------------------------------------------------------ allocation
     def fix_capacity(self, blocks: int) -> None:
         """Grow once so that ``blocks`` more can be taken without growing again, plus one

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.claim_slots import claim_slots, slot_map
 from .pool import BlockPool, empty_value
 
 
@@ -32,15 +33,13 @@ class Region:
         self.static = False
         self.overflow = torch.zeros((), dtype=torch.int32, device=device)
 
-    def place(self, mask: torch.Tensor, slots: dict, groups: dict, meta: dict, aligned: bool = False) -> None:
+    def place(self, mask: torch.Tensor, slots: dict, groups: dict, meta: dict) -> None:
         """Write tokens into each row's blocks, in order: first into holes left by in-place eviction, then appended.
 
         ``mask`` ``[B, N]`` says which tokens each row writes; ``slots`` and ``meta``
         hold those tokens' per-slot tensors flattened row-major (``[M, ...]``, ``M =
         mask.sum()``); ``groups`` holds per-group tensors (``[M / group_tokens, ...]``).
-        ``aligned=True`` (static mode): they hold every one of the ``B * N`` tokens instead,
-        and the tokens ``mask`` leaves out are written to the pool's trash slot, so shapes
-        do not depend on the mask and nothing synchronizes with the host.
+        Static mode writes a group of every row at once with :meth:`claim_aligned` instead.
         """
         count = mask.sum(1)
         pool = self.pool
@@ -50,9 +49,8 @@ class Region:
                 return
             if g > 1 and bool(((self.length % g) != 0).any() | ((count % g) != 0).any()):
                 raise ValueError(f"format {pool.codec.name!r} can only append whole groups of {g} tokens")
-        rank = mask.cumsum(1) - 1
-        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(mask)
-        rank, rows = (rank.reshape(-1), rows.reshape(-1)) if aligned else (rank[mask], rows[mask])
+        rank = (mask.cumsum(1) - 1)[mask]
+        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(mask)[mask]
         holes, n_holes = self._holes() if (self.has_holes or self.static) else (None, torch.zeros_like(count))
         if holes is not None and holes.shape[1] == 0:
             holes = None
@@ -67,27 +65,26 @@ class Region:
         if holes is not None:
             into_hole = rank < n_holes[rows]
             slot = torch.where(into_hole, holes[rows, rank.clamp(min=0, max=holes.shape[1] - 1)], slot)
-        if aligned:
-            slot = torch.where(mask.reshape(-1), slot, pool.trash_slot)
-        for name, flat in pool.flat_slots(pool.slots).items():
-            flat[slot] = slots[name]
-        for name, flat in pool.flat_slots(pool.meta).items():
-            flat[slot] = meta[name]
-        if groups:
-            first = slot[::g] // g  # group index = first slot of the group / group size
-            for name, flat in pool.flat_groups().items():
-                flat[first] = groups[name]
+        pool.write(slot, slots, groups, meta)
         self.length += appended
         if self.static:
             self.num_blocks.copy_((self.length + bs - 1) // bs)
 
+    def claim_aligned(self, mask: torch.Tensor) -> torch.Tensor:
+        """Static mode: the pool slots ``[B * N]`` where the ``mask``-selected tokens of ``[B, N]``
+        go (row-major; :meth:`place`'s order: holes first, then appended), the pool's trash slot
+        for the others, with this region's fill level advanced past them
+        (:func:`~kvcompose.ops.claim_slots.claim_slots`, one launch on CUDA). Shapes do not
+        depend on the mask and nothing reads the device, so a captured graph can replay it; the
+        caller writes the tokens (:meth:`BlockPool.write`), together with other regions of the pool."""
+        valid = self.pool.flat_slots(self.pool.meta)["valid"]
+        return claim_slots(self.table, self.length, self.num_blocks, valid, mask, self.pool.trash_slot,
+                           self.overflow, self.pool.block_size)
+
     def _holes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty slots inside each row's written range: pool slots ``[B, n]`` (in block order) and counts ``[B]``."""
-        bs = self.pool.block_size
-        table = self.table if self.static else self.used_table()
-        B, W = table.shape
-        phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(B, W * bs)
-        written = torch.arange(W * bs, device=self.device)[None, :] < self.length[:, None]
+        phys = slot_map(self.table if self.static else self.used_table(), self.pool.block_size)
+        written = torch.arange(phys.shape[1], device=self.device)[None, :] < self.length[:, None]
         hole = written & ~self.pool.flat_slots(self.pool.meta)["valid"][phys]
         order = torch.argsort((~hole).to(torch.int8), dim=1, stable=True)
         return phys.gather(1, order), hole.sum(1)
@@ -154,11 +151,8 @@ class Region:
         if pool.codec.group_tokens > 1:
             raise ValueError(f"format {pool.codec.name!r} encodes {pool.codec.group_tokens} tokens together; "
                              "its tokens cannot move one at a time")
-        bs = pool.block_size
-        table = self.used_table()
-        B, W = table.shape
-        phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(B, W * bs)
-        col = torch.arange(W * bs, device=self.device)[None, :]
+        phys = slot_map(self.used_table(), pool.block_size)
+        col = torch.arange(phys.shape[1], device=self.device)[None, :]
         written = col < self.length[:, None]
         valid = pool.flat_slots(pool.meta)["valid"][phys] & written
         live = valid.sum(1)

@@ -181,43 +181,41 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
         self.refill_buffer(k, v, meta, live & ~to_blocks)
         return positions
 
-    def encode_and_place(self, k: torch.Tensor, v: torch.Tensor, meta: dict, mask: torch.Tensor,
-                         aligned: bool = False) -> None:
-        """Encode the ``mask``-selected buffer tokens (``[B, N, H, D]``) by class and append them to blocks.
-
-        ``aligned=True`` (static mode) encodes all ``B * N`` tokens and lets each region
-        write only its selected ones: shapes do not depend on the mask, no host sync."""
+    def encode_and_place(self, k: torch.Tensor, v: torch.Tensor, meta: dict, mask: torch.Tensor) -> None:
+        """Encode the ``mask``-selected buffer tokens (``[B, N, H, D]``) by class and append them to blocks."""
         for index, region in enumerate(self.regions):
             sel = mask & (meta["cls"] == index)
-            if not aligned and not bool(sel.any()):
+            if not bool(sel.any()):
                 continue
             codec, pool_name = region.pool.codec, region.pool.codec.name
-            scales = self._row_scales_for(pool_name, codec, k, v, sel, aligned)
-            pick = (lambda t: t.reshape(-1, *t.shape[2:])) if aligned else (lambda t: t[sel])
-            slots, groups = codec.encode(pick(k), pick(v), scales)
+            scales = self._row_scales_for(pool_name, codec, k, v, sel)
+            slots, groups = codec.encode(k[sel], v[sel], scales)
             if region.pool.decoded:
                 slots.update(decoded_slots(codec, slots, groups, scales, self.dtype))
-            region.place(sel, slots, groups, {name: pick(meta[name]) for name in region.pool.meta}, aligned)
+            region.place(sel, slots, groups, {name: meta[name][sel] for name in region.pool.meta})
 
-    def _row_scales_for(self, pool_name: str, codec: SlotCodec, k, v, sel, aligned: bool = False) -> dict:
+    def _row_scales_for(self, pool_name: str, codec: SlotCodec, k, v, sel) -> dict:
         """Per-token view of a format's per-sequence scales, fixing them at a row's first encode."""
         store = self.row_scales[pool_name]
         if not store:
             return {}
         first = sel.any(1) & ~self.row_scales_set[pool_name]
-        if aligned or bool(first.any()):
-            fresh = codec.init_row_scales(k, v, sel & first[:, None])
-            for name, t in fresh.items():
-                store[name].copy_(torch.where(first[:, None], t, store[name]))
-            self.row_scales_set[pool_name] |= first
-            for name, t in codec.attention_scales(store).items():
-                self.attention_scales[pool_name][name].copy_(t)
+        if bool(first.any()):
+            self._fix_row_scales(pool_name, codec, k, v, sel, first)
         rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(sel)
-        if not aligned:
-            return {name: t[rows[sel]] for name, t in store.items()}
-        # Rows that write nothing may have no scale yet; any valid one keeps the encoder quiet.
-        ready = self.row_scales_set[pool_name][:, None]
-        return {name: torch.where(ready, t, 1.0)[rows.reshape(-1)] for name, t in store.items()}
+        return {name: t[rows[sel]] for name, t in store.items()}
+
+    def _fix_row_scales(self, pool_name: str, codec: SlotCodec, k, v, sel, first: torch.Tensor) -> None:
+        """Fix the per-sequence scales of the rows in ``first`` (``[B]`` bool) from their
+        ``sel``-selected tokens (``[B, N]`` of ``k``, ``v`` ``[B, N, H, D]``), and what the
+        attention reads of them; other rows keep theirs. No host read."""
+        store = self.row_scales[pool_name]
+        fresh = codec.init_row_scales(k, v, sel & first[:, None])
+        for name, t in fresh.items():
+            store[name].copy_(torch.where(first[:, None], t, store[name]))
+        self.row_scales_set[pool_name] |= first
+        for name, t in codec.attention_scales(store).items():
+            self.attention_scales[pool_name][name].copy_(t)
 
     def refill_buffer(self, k, v, meta, keep: torch.Tensor) -> None:
         """Write the ``keep`` tokens of each row, in order, to the front of the buffer."""

@@ -14,7 +14,7 @@ import torch
 
 from ..ops.append_token import append_token
 from ..ops.evict_one import evict_one_in_place
-from .pool import empty_value
+from .pool import decoded_slots, empty_value
 
 if TYPE_CHECKING:
     from .store import StoreView
@@ -49,6 +49,10 @@ class StoreStatic:
         self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)
         self.static = True
         self.columns_limit = columns_limit
+        # pools in which some row has not fixed its scales yet (one host read): only their
+        # flushes look for a row's first encode
+        self.scales_pending = {name: bool(scales) and not bool(self.row_scales_set[name].all())
+                               for name, scales in self.row_scales.items()}
 
     def append_step(self, keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, flush: bool,
                     query_ring: tuple | None = None) -> torch.Tensor:
@@ -67,17 +71,54 @@ class StoreStatic:
     def _flush_full_rows(self) -> None:
         """Rows whose buffer holds ``residual + group_size`` tokens move their oldest group to
         blocks and shift the rest to the front (what :meth:`append` does, with fixed shapes)."""
+        full = self.buf_len == self.buf_k.shape[1]
+        self._encode_oldest_group(full)
         G, cap = self.group_size, self.buf_k.shape[1]
-        full = self.buf_len == cap
-        # Only the first G columns are encoded: the aligned encode flattens rows, and formats whose
-        # scales span several tokens (KIVI's keys) group them from row starts G apart, a multiple
-        # of their token group, so no group ever mixes two rows.
-        self.encode_and_place(self.buf_k[:, :G], self.buf_v[:, :G], {n: t[:, :G] for n, t in self.buf_meta.items()},
-                              full[:, None].expand(-1, G), aligned=True)
         for t, fill in self._buffer_tensors():
-            shifted = torch.cat([t[:, G:], torch.full_like(t[:, :G], fill)], dim=1)
-            t.copy_(torch.where(full.view(-1, *[1] * (t.dim() - 1)), shifted, t))
+            at = full.view(-1, *[1] * (t.dim() - 1))
+            if cap == G:  # no residual: the whole buffer leaves
+                t.masked_fill_(at, fill)
+            else:
+                t.copy_(torch.where(at, torch.cat([t[:, G:], torch.full_like(t[:, :G], fill)], dim=1), t))
         self.buf_len -= full * G
+
+    def _encode_oldest_group(self, full: torch.Tensor) -> None:
+        """Encode the buffer's oldest group in every row, once per pool for all rows and
+        classes, and write the tokens of the ``full`` rows (``[B]``) to their class's region;
+        the rest go to the pool's trash slot, so shapes do not depend on which rows flush.
+
+        Only the first G columns are encoded: formats whose scales span several tokens (KIVI's
+        keys) group them from row starts G apart, a multiple of their token group, so no group
+        ever mixes two rows."""
+        G = self.group_size
+        k, v = self.buf_k[:, :G], self.buf_v[:, :G]
+        classes = self.buf_meta["cls"][:, :G]
+        meta = {name: t[:, :G].reshape(-1) for name, t in self.buf_meta.items()}
+        for pool in self.pools.values():
+            members = [(r, full[:, None] & (classes == i)) for i, r in enumerate(self.regions) if r.pool is pool]
+            name = pool.codec.name
+            if self.scales_pending[name]:  # a row's first encode in this format fixes its scales
+                for _, sel in members:
+                    self._fix_row_scales(name, pool.codec, k, v, sel, sel.any(1) & ~self.row_scales_set[name])
+            scales = self._group_row_scales(name, G)
+            slots, groups = pool.codec.encode(k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]), scales)
+            if pool.decoded:
+                slots.update(decoded_slots(pool.codec, slots, groups, scales, self.dtype))
+            slot = None
+            for region, sel in members:
+                claimed = region.claim_aligned(sel)
+                slot = claimed if slot is None else torch.where(sel.reshape(-1), claimed, slot)
+            pool.write(slot, slots, groups, {n: meta[n] for n in pool.meta})
+
+    def _group_row_scales(self, pool_name: str, group: int) -> dict:
+        """The per-sequence scales of a pool for each of ``group`` tokens of every row,
+        row-major (``[B * group, H]``). A row without scales yet writes nothing; any valid
+        scale keeps the encoder quiet."""
+        store = self.row_scales[pool_name]
+        if self.scales_pending[pool_name]:
+            ready = self.row_scales_set[pool_name][:, None]
+            store = {name: torch.where(ready, t, 1.0) for name, t in store.items()}
+        return {name: t.repeat_interleave(group, 0) for name, t in store.items()}
 
     def evict_in_place(self, evicted: torch.Tensor) -> None:
         """Static mode: drop the ``evicted`` columns of :meth:`slot_state` with fixed shapes.
@@ -148,14 +189,15 @@ class StoreStatic:
 
     def static_layout(self) -> tuple:
         """Static mode: what the kernels of a decode step are specialized on (every fixed
-        shape and dtype, the trash slots, the column counts): two stores with equal layouts
+        shape and dtype, the trash slots, the pools whose flushes still fix scales, the column counts): two stores with equal layouts
         run the same compiled kernels."""
         tensors = [self.buf_k, *self.buf_meta.values()] + [r.table for r in self.regions]
         for pool in self.pools.values():
             tensors += [*pool.slots.values(), *pool.blocks.values(), *pool.meta.values()]
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
         trash = tuple(pool.trash_slot for pool in self.pools.values())
-        return shapes, trash, self.columns_seen, self.columns_limit, self.prompt_columns
+        pending = tuple(sorted(self.scales_pending.items()))
+        return shapes, trash, pending, self.columns_seen, self.columns_limit, self.prompt_columns
 
     def _buffer_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every per-slot tensor of the buffer with the value of an empty slot."""

@@ -1,0 +1,85 @@
+"""Where a static flush writes a region's tokens (ops/claim_slots.py): kernel == torch reference,
+and the reference fills holes first, in block order, then appends."""
+
+import pytest
+import torch
+
+from kvcompose.ops.claim_slots import claim_slots, claim_slots_torch
+
+
+def make_region(B: int, W: int, bs: int, seed: int):
+    """A region of ``B`` rows of ``W`` blocks each (distinct, shuffled block ids) with random
+    fill levels (one row over its capacity, one empty) and random holes in the written slots."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randperm(B * W + 3, generator=g)[:B * W].reshape(B, W).contiguous()
+    length = torch.randint(0, W * bs + 1, (B,), generator=g)
+    length[0], length[-1] = W * bs, 0  # a full row and an empty one
+    valid = torch.rand((B * W + 3) * bs, generator=g) < 0.7
+    return table, length, valid, g
+
+
+def run(state, mask, backend, trash, bs):
+    table, length, valid = state
+    length, blocks = length.clone(), torch.zeros_like(length)
+    overflow = torch.zeros((), dtype=torch.int32, device=length.device)
+    slot = claim_slots(table, length, blocks, valid, mask, trash, overflow, bs, backend=backend)
+    return slot, length, blocks, overflow
+
+
+@pytest.mark.parametrize("B,W,bs,N,seed", [(5, 3, 4, 4, 0), (4, 9, 16, 16, 1), (3, 70, 16, 12, 2), (6, 2, 8, 5, 3)])
+def test_kernel_matches_reference(B, W, bs, N, seed):
+    table, length, valid, g = make_region(B, W, bs, seed)
+    mask = torch.rand(B, N, generator=g) < 0.6
+    mask[1] = True  # a row that writes all of its tokens, one that writes none
+    mask[2] = False
+    trash = (B * W + 2) * bs
+    want = run((table, length, valid), mask, "torch", trash, bs)
+    got = run((table, length, valid), mask, "triton", trash, bs)
+    for a, b, name in zip(want, got, ("slot", "length", "num_blocks", "overflow")):
+        assert torch.equal(a, b), name
+
+
+def test_holes_first_in_block_order_then_appended():
+    bs = 4
+    table = torch.tensor([[5, 2, 7]])  # slots 20-23, then 8-11, then 28-31
+    valid = torch.zeros(40, dtype=torch.bool)
+    valid[[20, 22, 23, 8, 10]] = True  # written: 6 slots (20-23, 8, 9); holes at 21 and 9
+    length = torch.tensor([6])
+    blocks, overflow = torch.zeros(1, dtype=torch.long), torch.zeros((), dtype=torch.int32)
+    mask = torch.tensor([[True, False, True, True, True]])
+    slot = claim_slots_torch(table, length, blocks, valid, mask, 39, overflow, bs)
+    assert slot.tolist() == [21, 39, 9, 10, 11]  # two holes, the trash slot, then the row's next slots
+    assert length.tolist() == [8] and blocks.tolist() == [2] and int(overflow) == 0
+
+
+def test_a_row_past_its_table_sets_overflow():
+    table = torch.tensor([[0], [1]])
+    valid = torch.ones(8, dtype=torch.bool)
+    length = torch.tensor([4, 1])
+    blocks, overflow = torch.zeros(2, dtype=torch.long), torch.zeros((), dtype=torch.int32)
+    claim_slots_torch(table, length, blocks, valid, torch.tensor([[True], [False]]), 7, overflow, 4)
+    assert int(overflow) == 1 and length.tolist() == [5, 1]
+
+
+def test_bad_input_is_named():
+    table = torch.zeros(2, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="int64"):
+        claim_slots(table.int(), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                    torch.ones(4, dtype=torch.bool), torch.ones(2, 1, dtype=torch.bool), 3,
+                    torch.zeros((), dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="rows"):
+        claim_slots(table, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                    torch.ones(4, dtype=torch.bool), torch.ones(3, 1, dtype=torch.bool), 3,
+                    torch.zeros((), dtype=torch.int32), 2)
+
+
+@pytest.mark.gpu
+def test_kernel_matches_reference_on_gpu():
+    B, W, bs, N = 16, 600, 16, 16  # a long row: several iterations of the scan for holes
+    table, length, valid, g = make_region(B, W, bs, 7)
+    mask = torch.rand(B, N, generator=g) < 0.6
+    state = tuple(t.cuda() for t in (table, length, valid))
+    want = run(state, mask.cuda(), "torch", (B * W + 2) * bs, bs)
+    got = run(state, mask.cuda(), None, (B * W + 2) * bs, bs)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
