@@ -111,7 +111,7 @@ def largest_batch(model, policy, prompt: int, new: int, cap_gib: float) -> int:
         gc.collect()
         torch.cuda.empty_cache()
         ids, mask = random_prompts(model.config.vocab_size, b, prompt, model.device)
-        time_policy(model, policy, ids, mask, 2, reserve_new_tokens=new)
+        time_policy(model, policy, ids, mask, 2, reserve_new_tokens=new, profile=False)
         peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device="cuda")
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         peaks[b] = peak.item()

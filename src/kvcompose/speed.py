@@ -231,9 +231,16 @@ def warm_up_policy(policy: Policy, budget: int = 64) -> Policy:
 
 
 def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, new: int,
-                reserve_new_tokens: int | None = None, warm_up: bool = True, inspect=None) -> dict:
+                reserve_new_tokens: int | None = None, warm_up: bool = True, inspect=None,
+                profile: bool = True) -> dict:
     """kvcompose's static-shape decode under ``policy``, timed over ``new`` tokens, with its
-    eager steps (evictions, refreshes) and their share of decode time (CUDA).
+    eager steps (evictions, refreshes).
+
+    The timed run decodes as a user's call does, the host running ahead of the device. On
+    CUDA, with ``profile``, a second run of the same decode splits its time by step kind
+    (:func:`decode_time_split`: the eager, eviction and refresh steps' share of decode time,
+    the host's own time per step) and gives ``profiled_ms_per_step``, its wall time with the
+    device drained before every step.
 
     ``kv_bytes_read_per_step``: the mean of the cache's live bytes (its report's bytes in use
     as held: payload, scales, metadata, recent buffer) right after the prefill
@@ -246,7 +253,7 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
                          "eagerly; the speed benchmark times the static-shape path only")
     previous = model.config._attn_implementation
     model.set_attn_implementation("kvcompose")
-    profile = ids.is_cuda
+    profile = profile and ids.is_cuda
     warm_up_s = 0.0
     try:
         if warm_up:
@@ -266,30 +273,44 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
         gc.collect()  # nothing of the earlier runs may count in the timed run's peak
         _peak_reset()
         cache = policy.make_cache(model)
-        timed(lambda: fast_generate(model, cache, ids, mask, new, profile=profile,
-                                    reserve_new_tokens=reserve_new_tokens))
+        timed(lambda: fast_generate(model, cache, ids, mask, new, reserve_new_tokens=reserve_new_tokens))
         ended = time.perf_counter()
+        decoder = cache.static_decoder  # None when no token followed the prefill's
+        report = cache.report()
+        out = record(ids.shape[0], new, ended - decoder.started if decoder else 0.0, report.peak_kv_bytes,
+                     report.allocated_bytes)
+        summary = decoder.summary() if decoder is not None else {"eager_steps": 0, "replays": 0}
+        if inspect is not None:
+            out.update(inspect(cache))
+        del cache, decoder
+        if profile and new > 1:
+            out.update(_profiled_run(model, policy, ids, mask, new, reserve_new_tokens))
     finally:
         model.set_attn_implementation(previous)
-    decoder = cache.static_decoder  # None when no token followed the prefill's
-    report = cache.report()
-    out = record(ids.shape[0], new, ended - decoder.started if decoder else 0.0, report.peak_kv_bytes,
-                 report.allocated_bytes)
     at_end = report.held_bytes["in_use"]
     out.update(warm_up_s=warm_up_s, weight_bytes_per_step=weight_bytes_per_step(model, ids.shape[0]),
                kv_live_bytes_after_prefill=after_prefill, kv_live_bytes_at_end=at_end,
                kv_bytes_read_per_step=(after_prefill + at_end) / 2)
-    summary = decoder.summary() if decoder is not None else {"eager_steps": 0, "replays": 0}
     evicting = summary["eager_steps"] + summary.get("eviction_steps", 0)
     out.update(eager_steps=summary["eager_steps"], eviction_steps=summary.get("eviction_steps", 0),
                refresh_steps=summary.get("refresh_steps", 0), replays=summary["replays"],
                eviction_call_rate=evicting / max(new - 1, 1), fused=summary.get("fused"),
                warm_ups=summary.get("warm_ups", 0))
-    if summary.get("ms_by_kind"):
-        out.update(decode_time_split(summary))
-    if inspect is not None:
-        out.update(inspect(cache))
     return out
+
+
+def _profiled_run(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, new: int,
+                  reserve_new_tokens: int | None) -> dict:
+    """The timed run again with its steps profiled (:func:`decode_time_split`). Profiling waits
+    for the device before every step, to time the host's own work, so its wall time
+    (``profiled_ms_per_step``) is above the timed run's, where the host runs ahead."""
+    gc.collect()
+    cache = policy.make_cache(model)
+    timed(lambda: fast_generate(model, cache, ids, mask, new, profile=True, reserve_new_tokens=reserve_new_tokens))
+    ended = time.perf_counter()
+    summary = cache.static_decoder.summary()
+    split = decode_time_split(summary) if summary.get("ms_by_kind") else {}
+    return dict(split, profiled_ms_per_step=1e3 * (ended - cache.static_decoder.started) / max(new - 1, 1))
 
 
 def decode_time_split(summary: dict) -> dict:
@@ -383,15 +404,15 @@ def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: flo
     _check_fit(window, new_tokens)
     vocab = model.config.get_text_config().vocab_size
 
-    def run(batch: int, steps: int) -> dict:
+    def run(batch: int, steps: int, profile: bool = True) -> dict:
         ids, mask = random_prompts(vocab, batch, prompt, model.device)
-        return time_policy(model, policy, ids, mask, steps, reserve_new_tokens=new_tokens)
+        return time_policy(model, policy, ids, mask, steps, reserve_new_tokens=new_tokens, profile=profile)
 
     peaks, kv = {}, {}
     for b in (2, 4):
         gc.collect()  # whatever earlier runs left in reference cycles: free it first
         torch.cuda.empty_cache()
-        kv[b] = run(b, 2)["kv_allocated_bytes"]
+        kv[b] = run(b, 2, profile=False)["kv_allocated_bytes"]
         peaks[b] = torch.cuda.max_memory_allocated()  # time_policy resets it before its timed run
     per_row = (peaks[4] - peaks[2]) / 2
     fixed = peaks[2] - 2 * per_row

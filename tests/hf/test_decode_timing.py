@@ -209,3 +209,47 @@ def test_decode_time_split_leaves_one_time_work_out_of_the_steady_rate():
     assert split["evict_ms_per_step"] == pytest.approx(30.0) and split["host_share"] == pytest.approx(0.05)
     only_one_time = dict(summary, ms_by_kind={"warm-up": 5.0}, steps_by_kind={"warm-up": 1}, replays=0)
     assert decode_time_split(only_one_time)["steady_ms_per_step"] is None
+
+
+@pytest.mark.gpu
+def test_a_capture_leaves_the_queued_work_running():
+    """Capturing records and runs nothing, so it must not wait for the device: the steps queued
+    before it keep running while the host captures (torch.cuda.graph synchronizes first)."""
+    from kvcompose.hf.static import capture_overlapped
+
+    x = torch.arange(8.0, device="cuda")
+    busy_until = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # about a second of a busy device
+    busy_until.record()
+    graph = torch.cuda.CUDAGraph()
+    out = capture_overlapped(graph, torch.cuda.graph_pool_handle(), lambda: x * 2 + 1)
+    assert not busy_until.query()  # the capture returned while the queued work still ran
+    x.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full((8,), 7.0, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_the_timed_run_is_not_profiled_and_a_second_run_splits_its_time(monkeypatch):
+    """The timed run decodes as a user's call does (no wait for the device before each step); a
+    profiled run of the same decode gives the split by step kind."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcompose import speed
+
+    config = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).cuda().eval()
+    profiled = []
+    real = speed.fast_generate
+    monkeypatch.setattr(speed, "fast_generate", lambda model, cache, ids, mask, new, **kw: profiled.append(
+        (new, kw.get("profile", False))) or real(model, cache, ids, mask, new, **kw))
+    ids, mask = speed.random_prompts(96, 2, 12, "cuda")
+    row = speed.time_policy(model, Policy.from_preset("rkv", budget=32, trigger={"buffer": 8}), ids, mask, 40)
+    assert profiled[-2:] == [(40, False), (40, True)]
+    assert row["eviction_steps"] > 0 and row["steady_ms_per_step"] > 0 and row["profiled_ms_per_step"] > 0
+    assert row["ms_per_step"] == pytest.approx(1e3 * row["decode_s"] / 39)
+    profiled.clear()
+    speed.time_policy(model, Policy.from_preset("fullkv"), ids, mask, 8, profile=False)
+    assert not any(on for _, on in profiled)

@@ -207,18 +207,41 @@ class StaticDecoder:
         if any(d is not self and d.captured for d in _CAPTURING):
             gc.collect()  # graphs of other decoders the user dropped: destroy them now, not during the capture
         _CAPTURING.add(self)
-        # The graph's pool cannot reuse what the ordinary pool caches (say, the scratch of the
-        # eager run of an eviction step just before): hand that back so the capture fits.
-        torch.cuda.empty_cache()
         try:
-            with self.cache.timer.paused(), torch.cuda.graph(graph, pool=self.pool):
-                logits = self._forward()
+            with self.cache.timer.paused():
+                logits = capture_overlapped(graph, self.pool, self._forward)
         except RuntimeError as exc:
             raise RuntimeError(
                 f"could not capture a CUDA graph of {type(self.model).__name__}'s decode step ({exc}); decode with "
                 "fast_generate(..., graphs=False) (static shapes, no graphs) or policy.generate(..., fast=False)"
             ) from exc
         return graph, logits
+
+
+#: A capture hands the ordinary pool's cached memory back first (a device synchronization) only
+#: when less than this share of the device's memory is free: the graph's pool cannot reuse
+#: what the ordinary pool caches (say, the scratch of an eager eviction step just before).
+CAPTURE_FREE_SHARE = 0.25
+_CAPTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}  # one side stream per device
+
+
+def capture_overlapped(graph: "torch.cuda.CUDAGraph", pool, run):
+    """Capture ``run()`` into ``graph`` (memory from ``pool``) and return its result, like
+    ``torch.cuda.graph`` but without its device synchronization and ``empty_cache``: the
+    capture records and runs nothing, so the steps already queued keep the device busy while
+    the host captures. Capturing happens on a side stream, as ``torch.cuda.graph`` does."""
+    free, total = torch.cuda.mem_get_info()
+    if free < CAPTURE_FREE_SHARE * total:
+        torch.cuda.empty_cache()
+    device = torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(device) or _CAPTURE_STREAMS.setdefault(device, torch.cuda.Stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            out = run()
+        finally:
+            graph.capture_end()
+    return out
 
 
 #: Graph variants (:attr:`StepPlan.graph_key`) that ran eagerly, by model and
