@@ -36,7 +36,9 @@ fullkv's in the same run and scenario), the floor (``floor_ms_per_step``: weight
 read per step over the copy bandwidth ``copy_tbps`` measured once per run in this process, see
 :data:`kvcompose.speed.FLOOR_METHOD`; ``floor_ratio`` = ms/step over it), peak GPU memory, the
 policy's KV bytes, the share of eager steps (evictions, classifier refreshes) and their share
-of decode time (CUDA events per step), and the host's own milliseconds per replayed step.
+of decode time (CUDA events per step), and the host's own milliseconds per replayed step. The
+timed kvcompose run is not profiled (the host queues steps ahead of the GPU, as in a user's
+call); those splits come from a second, profiled run (``profiled_ms_per_step``).
 The environment (GPU, versions, git commit and dirty flag) is read by the script.
 
     python benchmarks/bench_e2e_gpu.py --smoke                       # tiny model, seconds

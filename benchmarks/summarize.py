@@ -124,6 +124,14 @@ def _cold_runs(records: list[dict]) -> list[str]:
     return [run for run in runs if not any("warm_up_s" in r for r in timed if r.get("run") == run)]
 
 
+def _synced_runs(records: list[dict]) -> list[str]:
+    """Runs whose presets were timed on the profiled run (records with ``steady_ms_per_step``
+    but no ``profiled_ms_per_step``): it waits for the device before every step."""
+    timed = [r for r in records if r["policy"] != BASELINE and r.get("steady_ms_per_step") is not None]
+    runs = dict.fromkeys(r.get("run") for r in timed)
+    return [run for run in runs if not any("profiled_ms_per_step" in r for r in timed if r.get("run") == run)]
+
+
 def _uneven_runs(records: list[dict]) -> list[str]:
     """Runs whose baseline timed other steps than their presets (recorded before both sides
     timed the same steps)."""
@@ -177,10 +185,11 @@ def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None
               "static-shape path replayed as CUDA graphs (`fast_generate`). Decoding speed does not depend on the "
               "weights.", "",
               "**What is timed.** *ms/step* is decode wall time over the steps timed: for kvcompose from its first "
-              "decode step to the end with a fresh cache, so the one-time work of its CUDA graphs (each variant's "
-              "first run, capture and first replay) is included; for the baseline its run's wall time less a "
-              "prefill-only run's, compiled and recorded beforehand. *steady ms/step* is kvcompose's GPU time per "
-              "step without that one-time work, what a long run approaches. *x baseline* and *x fullkv* divide tok/s "
+              "decode step to the end with a fresh cache, decoding as a user's call does (the host queues steps "
+              "ahead of the GPU), so the one-time work of its CUDA graphs (each variant's first run, capture and "
+              "first replay) is included; for the baseline its run's wall time less a prefill-only run's, compiled "
+              "and recorded beforehand. A second, profiled run of the same decode times each step with CUDA events: "
+              "*steady ms/step* is its GPU time per step without the one-time work, what a long run approaches. *x baseline* and *x fullkv* divide tok/s "
               "by the baseline's and by kvcompose fullkv's in the same run and scenario. Runs differ in GPU and in "
               "the code that ran: compare ratios within a run, not milliseconds across runs. *eviction share*: the "
               "share of decode time that eviction, refresh and eager steps take beyond a plain step's cost.", "",
@@ -211,6 +220,12 @@ def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None
                       "the first preset that used them, and presets later in the run reused them: *ms/step* carries "
                       f"that work ({low if low == high else f'{low}-{high}'} s of one-time work per preset in these "
                       "records, graph captures included); *steady ms/step* leaves it out.", ""]
+        synced = _synced_runs([r for r, _ in records])
+        if synced:
+            lines += [f"In run{'s' if len(synced) > 1 else ''} {', '.join(synced)}, kvcompose's *ms/step* comes from "
+                      "the profiled run, which waits for the device before every step: it carries the host's own "
+                      "time per step and every graph capture's host time, which an unprofiled decode hides behind "
+                      "the steps it has queued.", ""]
         if not records:
             lines += ["No run recorded yet.", ""]
             continue

@@ -162,3 +162,20 @@ def test_the_rotation_cost_on_its_api_page_comes_from_its_run():
     for plain in ("fullkv", "nvfp4"):
         assert f"from {steady[plain]:.2f} to {steady[plain + '+hadamard']:.2f} ms for {plain}" in page
     assert runs["rot3"]["environment"]["gpu"] == "NVIDIA H200" and "H200" in page
+
+
+def test_runs_timed_on_their_profiled_run_are_named():
+    """A run whose presets were timed with the device drained before every step says so."""
+    summarize = _summarize()
+
+    def rec(policy, run, **fields):
+        return {"policy": policy, "scenario": "long", "run": run, "batch": 16, "new_tokens": 512, "ms_per_step": 10.0,
+                "tok_per_s": 1600.0, **fields}
+
+    records = [rec("transformers-static", "l1"), rec("rkv", "l1", steady_ms_per_step=9.0),
+               rec("transformers-static", "l2"), rec("fullkv", "l2", steady_ms_per_step=9.0, profiled_ms_per_step=10.5),
+               rec("snapkv", "l0")]  # before steps were profiled at all
+    assert summarize._synced_runs(records) == ["l1"]
+    lines = []
+    summarize.e2e(lines, {}, [{"environment": {"gpu": "NVIDIA H200"}, "records": records}])
+    assert "In run l1, kvcompose's *ms/step* comes from the profiled run" in "\n".join(lines)
