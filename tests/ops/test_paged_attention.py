@@ -91,7 +91,7 @@ def check_close(query, sources, backend="triton", scaling=0.1):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (8, 64)])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128)])
 def test_kernel_matches_reference_every_format(fmt, group, head_dim):
     H = 2
     src = make_source(fmt, [37, 0, 70], H, head_dim, seed=group)  # rows of different lengths, one empty
@@ -134,7 +134,8 @@ def test_extent_bounds_each_rows_loop(fmt):
     check_extent(torch.randn(3, 8, 1, 64).to(torch.bfloat16), [src, buffer], lengths)
 
 
-@pytest.mark.parametrize("token_group,bs", [(16, 16), (32, 32), (64, 64), (32, 128), (16, 64), (8, 16)])
+# groups under both tile heights, over one of them only, and over both; a block of one group or of several
+@pytest.mark.parametrize("token_group,bs", [(8, 16), (32, 128), (64, 64)])
 def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monkeypatch):
     """KIVI keys whose tile lies in one token group are scored with the group scale in the
     queries; tiles longer than the group decode every key. Both match the reference."""
@@ -195,9 +196,8 @@ def test_groups_wider_than_sixteen_query_heads(fmt):
     check_close(torch.randn(2, 24, 1, 64).to(torch.bfloat16), sources[1:])  # the buffer alone
 
 
-@pytest.mark.parametrize("fmt,group,dtype", [("dense", 1, torch.bfloat16), ("nvfp4", 3, torch.bfloat16),
-                                              ("int", 4, torch.float32), ("nvfp4", 7, torch.float16),
-                                              ("nvfp4", 24, torch.bfloat16)])
+@pytest.mark.parametrize("fmt,group,dtype", [("dense", 1, torch.bfloat16), ("int", 4, torch.float32),
+                                              ("nvfp4", 7, torch.float16), ("nvfp4", 24, torch.bfloat16)])
 def test_the_merge_launch_computes_the_buffer_itself(fmt, group, dtype, monkeypatch):
     """Where the long sources run in a launch of their own (the CUDA kernel's), the merge launch
     computes the short ones (the recent buffer, its extent, an empty row) before merging: the
