@@ -147,9 +147,13 @@ def test_the_readme_speed_figures_are_the_jsons():
     c = newest("c")
     thinkv, env = c["thinkv"]
     base = next(r for r, _ in shown if r["policy"] == summarize.BASELINE and r["run"] == thinkv["run"])
+    windows = (f"both timed over their first {base['new_tokens']:,} new tokens"
+               if thinkv["new_tokens"] == base["new_tokens"] else
+               f"ThinKV timed over its first {thinkv['new_tokens']:,} new tokens, the baseline over {base['new_tokens']:,}")
     assert (f"ThinKV fits {thinkv['batch']} rows to the baseline's {base['batch']} and decodes "
-            f"{thinkv['ratio_to_baseline']:.0f}x its tokens/s ({summarize._run_gpu(env)}; ThinKV timed over its first "
-            f"{thinkv['new_tokens']:,} new tokens, the baseline over {base['new_tokens']:,})") in readme
+            f"{thinkv['ratio_to_baseline']:.0f}x its tokens/s ({summarize._run_gpu(env)}; {windows}") in readme
+    full = next(r for r, _ in shown if r["policy"] == "fullkv" and r["scenario"] == "c" and r["run"] == thinkv["run"])
+    assert f"fullkv fits {full['batch']} rows and decodes {full['ratio_to_baseline']:.0f}x" in readme
     assert "grows with" not in readme  # the baseline's step spans its whole reserved cache at every step
 
 
