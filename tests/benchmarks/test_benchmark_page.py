@@ -82,13 +82,16 @@ def test_end_to_end_tables_show_the_new_fields_and_a_dash_where_an_old_record_la
     assert page.count("No run recorded yet.") == 2  # scenarios a and c
 
 
+def long_record(policy: str, run: str, **fields) -> dict:
+    """A scenario-long record of batch 16 with ``fields`` added."""
+    return {"policy": policy, "scenario": "long", "run": run, "batch": 16, "new_tokens": 512, "ms_per_step": 10.0,
+            "tok_per_s": 1600.0, **fields}
+
+
 def test_runs_timed_before_the_warm_up_at_their_capacity_are_named_with_their_one_time_work():
     summarize = _summarize()
 
-    def rec(policy, run, **fields):
-        return {"policy": policy, "scenario": "long", "run": run, "batch": 16, "new_tokens": 512, "ms_per_step": 10.0,
-                "tok_per_s": 1600.0, **fields}
-
+    rec = long_record
     records = [rec("transformers-static", "l1"), rec("fullkv", "l1", one_time_s=1.27),
                rec("rkv", "l1", one_time_s=3.99), rec("fullkv", "l0"),  # before one-time work was recorded
                rec("transformers-static", "l2"), rec("fullkv", "l2", one_time_s=0.15, warm_up_s=32.8)]
@@ -172,10 +175,7 @@ def test_runs_timed_on_their_profiled_run_are_named():
     """A run whose presets were timed with the device drained before every step says so."""
     summarize = _summarize()
 
-    def rec(policy, run, **fields):
-        return {"policy": policy, "scenario": "long", "run": run, "batch": 16, "new_tokens": 512, "ms_per_step": 10.0,
-                "tok_per_s": 1600.0, **fields}
-
+    rec = long_record
     records = [rec("transformers-static", "l1"), rec("rkv", "l1", steady_ms_per_step=9.0),
                rec("transformers-static", "l2"), rec("fullkv", "l2", steady_ms_per_step=9.0, profiled_ms_per_step=10.5),
                rec("snapkv", "l0")]  # before steps were profiled at all
