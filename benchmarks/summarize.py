@@ -119,17 +119,20 @@ def _cold_runs(records: list[dict]) -> list[str]:
     """Runs whose presets were timed after a warm-up at another capacity (records with
     ``one_time_s`` but no ``warm_up_s``): kernels specialized on the capacity compiled in the
     timed steps of the first preset that used them."""
-    timed = [r for r in records if r["policy"] != BASELINE and "one_time_s" in r]
+    return _runs_without([r for r in records if "one_time_s" in r], "warm_up_s")
+
+
+def _runs_without(records: list[dict], field: str) -> list[str]:
+    """The runs, in order, none of whose preset records (baseline left out) holds ``field``."""
+    timed = [r for r in records if r["policy"] != BASELINE]
     runs = dict.fromkeys(r.get("run") for r in timed)
-    return [run for run in runs if not any("warm_up_s" in r for r in timed if r.get("run") == run)]
+    return [run for run in runs if not any(field in r for r in timed if r.get("run") == run)]
 
 
 def _synced_runs(records: list[dict]) -> list[str]:
     """Runs whose presets were timed on the profiled run (records with ``steady_ms_per_step``
     but no ``profiled_ms_per_step``): it waits for the device before every step."""
-    timed = [r for r in records if r["policy"] != BASELINE and r.get("steady_ms_per_step") is not None]
-    runs = dict.fromkeys(r.get("run") for r in timed)
-    return [run for run in runs if not any("profiled_ms_per_step" in r for r in timed if r.get("run") == run)]
+    return _runs_without([r for r in records if r.get("steady_ms_per_step") is not None], "profiled_ms_per_step")
 
 
 def _uneven_runs(records: list[dict]) -> list[str]:
@@ -189,8 +192,9 @@ def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None
               "ahead of the GPU), so the one-time work of its CUDA graphs (each variant's first run, capture and "
               "first replay) is included; for the baseline its run's wall time less a prefill-only run's, compiled "
               "and recorded beforehand. A second, profiled run of the same decode times each step with CUDA events: "
-              "*steady ms/step* is its GPU time per step without the one-time work, what a long run approaches. *x baseline* and *x fullkv* divide tok/s "
-              "by the baseline's and by kvcompose fullkv's in the same run and scenario. Runs differ in GPU and in "
+              "*steady ms/step* is its GPU time per step without the one-time work, what a long run approaches. "
+              "*x baseline* and *x fullkv* divide tok/s by the baseline's and by kvcompose fullkv's in the same run "
+              "and scenario. Runs differ in GPU and in "
               "the code that ran: compare ratios within a run, not milliseconds across runs. *eviction share*: the "
               "share of decode time that eviction, refresh and eager steps take beyond a plain step's cost.", "",
               "**The floor.** *floor ms/step* is the time a step needs to read its bytes once at the copy bandwidth "
