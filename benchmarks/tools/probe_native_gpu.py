@@ -4,7 +4,8 @@ Each variant is the kernel's source with one text substitution (more stages in t
 ring, or a part of the decode replaced by a cheaper stand-in that gives wrong numbers), built under
 its own name and timed on the NVFP4 pool of :mod:`bench_attention_gpu`.
 A stand-in that speeds the kernel up a lot names the part worth rewriting. A development tool:
-results go to stdout only, and the stand-ins' outputs are not checked.
+results go to stdout only. The variants that keep the numbers exact print their largest error
+against the torch reference; the stand-ins' outputs are not checked.
 
     python benchmarks/tools/probe_native_gpu.py --variants base stages3 no_cvt no_scale no_decode
 """
@@ -36,7 +37,11 @@ VARIANTS = {
     "no_decode": [("void fp4_word(uint32_t w, uint32_t s2, uint32_t* out) {",
                    "void fp4_word(uint32_t w, uint32_t s2, uint32_t* out) {\n  out[0] = w ^ s2; out[1] = w + s2; "
                    "out[2] = w - s2; out[3] = w | s2; return;")],
+    # at most 113 registers, so that 18 programs fit an SM (ptxas gives 96 and spills 48 bytes)
+    "lb18": [("__launch_bounds__(32)", "__launch_bounds__(32, 18)")],
 }
+#: variants whose outputs are exact (the rest replace part of the decode by a stand-in)
+EXACT = {"base", "stages3", "lb18"}
 
 
 #: Substitutions of every variant: only the NVFP4 bf16 head-dim-128 kernel is compiled (a sixth of the build time).
@@ -88,7 +93,11 @@ def main(argv=None) -> int:
             ms = graph_ms(lambda: paged_decode_attention(q, sources, d ** -0.5, backend="cuda"), args.repeats)
             cells.append(f"{b}x{l}x{d}={ms * 1e3:.1f}us {nbytes / ms / 1e9 / copy:.0%}"
                          f"/p{native.resident_programs(0, d, True)}")
-        print(f"{name:10s} " + "  ".join(cells), flush=True)
+        error = ""
+        if name in EXACT:
+            q, sources, _ = next(iter(data.values()))
+            error = f"  max abs error {bench.check(q, sources, 'cuda'):.2e}"
+        print(f"{name:10s} " + "  ".join(cells) + error, flush=True)
     return 0
 
 
