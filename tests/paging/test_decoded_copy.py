@@ -250,3 +250,23 @@ def test_the_attention_reads_second_level_scales_kept_up_to_date_not_computed_pe
             for prefix, scales in store.attention_scales[name].items():
                 torch.testing.assert_close(scales, store.row_scales[name][prefix] * unit[prefix])
     assert all(bool(t.gt(0).all()) for d in store.attention_scales.values() for t in d.values())
+
+
+@pytest.mark.parametrize("name", [*PRECISIONS, "dense"])
+def test_a_keys_only_view_is_the_full_views_keys_without_reading_values(name, monkeypatch):
+    """What evictors and classifiers read (``view(values=False)``): the same keys and slot
+    state as the full view, no values, and no value payload gathered or decoded."""
+    store = LayerStore(B, H, D, torch.float32, torch.device("cpu"), group_size=16, residual=4) if name == "dense" \
+        else make_store(name)
+    append(store, 40, seed=3)
+    full = store.view()
+    for region in store.regions:  # any read of a value tensor now fails
+        pool = region.pool
+        for tensors in (pool.slots, pool.blocks):
+            for key in [k for k in tensors if k not in pool.codec.key_tensors(list(tensors))]:
+                monkeypatch.setitem(tensors, key, None)
+    keys_only = store.view(values=False)
+    assert keys_only.values is None
+    for field in ("keys", "positions", "valid", "region", "phys", "classes"):
+        assert torch.equal(getattr(keys_only, field), getattr(full, field)), field
+    assert keys_only.block_columns == full.block_columns

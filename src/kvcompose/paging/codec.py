@@ -38,6 +38,16 @@ class SlotCodec:
         (``dtype``: what quantized formats decode to; stored dense tensors come back as they are)."""
         raise NotImplementedError  # pragma: no cover - interface
 
+    def key_tensors(self, names: list[str]) -> list[str]:
+        """Which of a pool's per-slot and per-block tensors :meth:`decode_keys` reads; default: all."""
+        return names
+
+    def decode_keys(self, slots: dict, blocks: dict, row_scales: dict,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The keys of :meth:`decode` alone (what evictors and classifiers score); ``slots`` and
+        ``blocks`` hold at least :meth:`key_tensors`. Default: decode both and drop the values."""
+        return self.decode(slots, blocks, row_scales, dtype)[0]
+
     def kv_operands(self, slots: dict, groups: dict, scales: dict) -> tuple[KVOperand, KVOperand]:
         """Keys and values of a whole pool as the decode-attention op reads them in place.
 
@@ -90,6 +100,12 @@ class DenseCodec(SlotCodec):
 
     def decode(self, slots, blocks, row_scales, dtype=None):
         return slots["k"], slots["v"]
+
+    def key_tensors(self, names):
+        return ["k"]
+
+    def decode_keys(self, slots, blocks, row_scales, dtype=None):
+        return slots["k"]
 
     def kv_operands(self, slots, groups, scales):
         return KVOperand("dense", slots["k"]), KVOperand("dense", slots["v"])

@@ -41,7 +41,7 @@ class StoreView:
     """
 
     keys: torch.Tensor  # [B, Hkv, L, D]
-    values: torch.Tensor  # [B, Hkv, L, D]
+    values: torch.Tensor | None  # [B, Hkv, L, D]; None in a keys-only view (LayerStore.view)
     positions: torch.Tensor  # [B, L] int64, -1 where empty
     valid: torch.Tensor  # [B, L] bool
     region: torch.Tensor  # [B, L] int64 region index of the column, -1 for the buffer
@@ -254,8 +254,11 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
         self.buf_k, self.buf_v = wider(self.buf_k, 0), wider(self.buf_v, 0)
         self.buf_meta = {n: wider(t, empty_value(n)) for n, t in self.buf_meta.items()}
 
-    def view(self) -> StoreView:
-        """Decode every row's kept tokens into dense tensors (blocks of each region, then the buffer)."""
+    def view(self, values: bool = True) -> StoreView:
+        """Decode every row's kept tokens into dense tensors (blocks of each region, then the buffer).
+
+        ``values=False``: keys only (``values`` is None), for evictors and classifiers, which
+        score keys: no value payload is gathered or decoded."""
         B = self.batch_size
         parts = []
         for index, region in enumerate(self.regions):
@@ -263,30 +266,38 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             pool = region.pool
             bs, W = pool.block_size, table.shape[1]
             ids = table.clamp(min=0).reshape(-1)
-            slots = {n: t[ids] for n, t in pool.slots.items()}
-            groups = {n: t[ids] for n, t in pool.blocks.items()}
+            wanted = set(pool.slots) | set(pool.blocks)
+            if not values:
+                wanted = set(pool.codec.key_tensors(sorted(wanted)))
+            slots = {n: t[ids] for n, t in pool.slots.items() if n in wanted}
+            groups = {n: t[ids] for n, t in pool.blocks.items() if n in wanted}
             rows = torch.arange(B, device=self.device).repeat_interleave(W)
             scales = {n: t[rows] for n, t in self.row_scales[pool.codec.name].items()}
-            if ids.numel():
-                k, v = pool.codec.decode(slots, groups, scales, self.dtype)
-            else:  # no blocks yet: skip the codec (quantized formats reject empty input)
+            if not ids.numel():  # no blocks yet: skip the codec (quantized formats reject empty input)
                 k = v = torch.zeros(0, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+            elif values:
+                k, v = pool.codec.decode(slots, groups, scales, self.dtype)
+            else:
+                k, v = pool.codec.decode_keys(slots, groups, scales, self.dtype), None
             inside = (table >= 0)[:, :, None].expand(B, W, bs).reshape(B, W * bs)
             phys = torch.where(inside, (table[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(B, -1), -1)
             meta = {n: t[ids].reshape(B, W * bs) for n, t in pool.meta.items()}
             parts.append((
-                k.reshape(B, W * bs, *k.shape[2:]).to(self.dtype), v.reshape(B, W * bs, *v.shape[2:]).to(self.dtype),
+                k.reshape(B, W * bs, *k.shape[2:]).to(self.dtype),
+                None if v is None else v.reshape(B, W * bs, *v.shape[2:]).to(self.dtype),
                 torch.where(inside, meta["pos"], -1), meta["valid"] & inside,
                 torch.full_like(phys, index), phys,
             ))
         cap = self.buf_k.shape[1]
-        buffer = (self.buf_k, self.buf_v, self.buf_meta["pos"], self.buf_meta["valid"],
+        buffer = (self.buf_k, self.buf_v if values else None, self.buf_meta["pos"], self.buf_meta["valid"],
                   torch.full((B, cap), -1, dtype=torch.long, device=self.device),
                   torch.full((B, cap), -1, dtype=torch.long, device=self.device))
         cols = sum(p[0].shape[1] for p in parts)
-        keys, values, positions, valid, region, phys = (torch.cat(x, dim=1) for x in zip(*parts, buffer))
+        keys, vals, positions, valid, region, phys = (
+            None if x[0] is None else torch.cat(x, dim=1) for x in zip(*parts, buffer))
         classes = torch.cat([region[:, :cols], self.buf_meta["cls"]], dim=1)
-        return StoreView(keys.transpose(1, 2), values.transpose(1, 2), positions, valid, region, phys, cols, classes)
+        return StoreView(keys.transpose(1, 2), None if vals is None else vals.transpose(1, 2), positions, valid,
+                         region, phys, cols, classes)
 
     def channel(self, name: str, view: StoreView) -> torch.Tensor:
         """A float metadata channel, aligned with ``view``'s columns."""

@@ -154,24 +154,31 @@ class QuantCodec(SlotCodec):
         return out[0], out[1]
 
     def decode(self, slots, blocks, row_scales, dtype: torch.dtype = torch.float32):
-        out = []
-        first = next(iter(slots.values()))
+        return (self._decode_role("key", slots, blocks, row_scales, dtype),
+                self._decode_role("value", slots, blocks, row_scales, dtype))
+
+    def key_tensors(self, names):
+        return [n for n in names if n.startswith("k.")]
+
+    def decode_keys(self, slots, blocks, row_scales, dtype: torch.dtype = torch.float32):
+        return self._decode_role("key", slots, blocks, row_scales, dtype)
+
+    def _decode_role(self, role: str, slots: dict, blocks: dict, row_scales: dict, dtype: torch.dtype):
+        """Keys or values (``role``) of whole blocks: ``[N, S, H, D]``."""
+        prefix = role[0]
+        first = next(t for name, t in slots.items() if name.startswith(f"{prefix}."))
         nblocks, bs = first.shape[:2]
-        for role in ("key", "value"):
-            prefix = role[0]
-            kwargs = {}
-            for name, (kind, spec) in self.layout[role].items():
-                key = f"{prefix}.{name}"
-                if kind == "slot":
-                    kwargs[name] = slots[key].reshape(nblocks * bs, *slots[key].shape[2:])
-                elif kind == "group":
-                    kwargs[name] = blocks[key].reshape(-1, *blocks[key].shape[2:])
-                elif kind == "head":
-                    per_slot = {prefix: row_scales[prefix].repeat_interleave(bs, 0)}  # a row's scale for each slot
-                    kwargs[name] = self._token_scales(self.layout[role], per_slot, prefix, first.device)
-                else:
-                    kwargs[name] = spec
-            packed = self._packed_cls[role](**kwargs)
-            x = self.quantizer.dequantize(packed, dtype)
-            out.append(x.reshape(nblocks, bs, *x.shape[1:]))
-        return out[0], out[1]
+        kwargs = {}
+        for name, (kind, spec) in self.layout[role].items():
+            key = f"{prefix}.{name}"
+            if kind == "slot":
+                kwargs[name] = slots[key].reshape(nblocks * bs, *slots[key].shape[2:])
+            elif kind == "group":
+                kwargs[name] = blocks[key].reshape(-1, *blocks[key].shape[2:])
+            elif kind == "head":
+                per_slot = {prefix: row_scales[prefix].repeat_interleave(bs, 0)}  # a row's scale for each slot
+                kwargs[name] = self._token_scales(self.layout[role], per_slot, prefix, first.device)
+            else:
+                kwargs[name] = spec
+        x = self.quantizer.dequantize(self._packed_cls[role](**kwargs), dtype)
+        return x.reshape(nblocks, bs, *x.shape[1:])

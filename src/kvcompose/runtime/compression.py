@@ -30,6 +30,8 @@ def compress(layer, view: StoreView | None = None, scheduled: bool = False) -> b
     if policy.evictor is None:
         return False
     store = layer.store
+    if scheduled and view is None:  # the view is built anyway: the counts come from it
+        view = store.view(values=False)
     counts = trigger_input(policy, store, view)
     keep = policy.trigger.plan(counts)
     fired = policy.trigger.fires(counts, keep)
@@ -37,7 +39,7 @@ def compress(layer, view: StoreView | None = None, scheduled: bool = False) -> b
         keep = torch.where(fired, keep, counts.stored)
     elif not bool(fired.any()):
         return False
-    view = view if view is not None else store.view()
+    view = view if view is not None else store.view(values=False)
     ctx = eviction_context(policy, store, view, keep, *layer.recent_queries(), layer.scaling, layer.cache.heads)
     policy.pager.compact(store, view, policy.evictor.select(ctx))
     if scheduled:

@@ -127,7 +127,7 @@ class LayerRuntime:
         thought classes, evict."""
         thoughts = self.cache.thoughts
         if plan.refresh:
-            view = self.store.view() if thoughts.needs_view(self.layer_idx, self.store) else None
+            view = self.store.view(values=False) if thoughts.needs_view(self.layer_idx, self.store) else None
             thoughts.observe(self.layer_idx, query, view, scaling, self.store)
         if plan.evict:
             with self.cache.timer.phase("eviction"):
@@ -137,8 +137,8 @@ class LayerRuntime:
         """An eager step's work after attending: thought classes, observers, eviction if the
         trigger fires, and (after the last layer) block sharing."""
         cache, store = self.cache, self.store
-        if view is None and cache.thoughts.needs_view(self.layer_idx, store):
-            view = store.view()
+        if view is None and cache.thoughts.needs_view(self.layer_idx, store):  # fused attention: no observers
+            view = store.view(values=False)
         cache.thoughts.observe(self.layer_idx, query, view, scaling, store)
         for observer in cache.observers:
             observer(self.layer_idx, query, view, positions, scaling)
