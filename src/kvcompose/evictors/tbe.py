@@ -83,9 +83,7 @@ class ThoughtEvictor(Evictor):
             return ctx.valid.clone()
         idx = torch.arange(S, device=seg.device)
         closed = idx[None, :] < done[:, None]  # [B, S] completed segments
-        in_seg = (seg[:, :, None] == idx[None, None, :]) & gen[:, :, None]  # [B, L, S]
-        size = in_seg.sum(1)  # [B, S] live tokens per segment
-        cls = torch.where(in_seg, ctx.classes[:, :, None], -1).amax(1)  # [B, S] the segment's class
+        size, cls = self._segment_sizes_and_classes(seg, gen, ctx.classes, S)
 
         names = list(ctx.class_names)
         target = size.clone()
@@ -102,6 +100,18 @@ class ThoughtEvictor(Evictor):
         target = self._step_down_over_budget(target, closed, importance, len(names),
                                              ctx.valid.sum(1) - (size - target).sum(1), ctx.keep)
         return self._keep_representatives(ctx, gen, size, target)
+
+    @staticmethod
+    def _segment_sizes_and_classes(seg, gen, classes, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, S]`` live tokens of each segment, and its class (-1 where empty): one scatter
+        over the columns each, not a ``[B, L, S]`` membership tensor. Columns outside the
+        segments (prompt, empty, beyond ``S``) land in a spare last column."""
+        B = seg.shape[0]
+        at = torch.where(gen & (seg < S), seg, S)
+        size = torch.zeros(B, S + 1, dtype=torch.long, device=seg.device).scatter_add_(1, at, gen.long())
+        cls = torch.full((B, S + 1), -1, dtype=torch.long, device=seg.device).scatter_reduce_(
+            1, at, torch.where(gen, classes, -1), reduce="amax")
+        return size[:, :S], cls[:, :S]
 
     @staticmethod
     def _segment_columns(ctx: EvictionContext, done: torch.Tensor) -> int:

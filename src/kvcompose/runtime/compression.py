@@ -130,12 +130,19 @@ def eviction_context(policy, store: LayerStore, view: StoreView, keep: torch.Ten
 
 
 def protected(policy, view: StoreView, is_prompt: torch.Tensor) -> torch.Tensor:
-    """Tokens no evictor may drop: sinks, the most recent tokens, and (optionally) the prompt."""
-    big = torch.iinfo(torch.long).max
-    order_key = torch.where(view.valid, view.positions, big)
-    age_rank = torch.argsort(torch.argsort(order_key, dim=1), dim=1)  # 0 = oldest live token
-    live = view.valid.sum(1, keepdim=True)
-    keep = (age_rank < policy.sinks) | (age_rank >= live - policy.recent_tokens)
-    if policy.protect_prompt:
-        keep = keep | is_prompt
+    """Tokens no evictor may drop: sinks, the most recent tokens, and (optionally) the prompt.
+
+    A row's live positions are distinct, so its ``sinks`` oldest tokens are those at or before
+    its ``sinks``-th smallest position, and its ``recent_tokens`` newest those at or after its
+    ``(live - recent_tokens + 1)``-th: one sort of the positions, none without sinks or recent."""
+    keep = is_prompt if policy.protect_prompt else torch.zeros_like(view.valid)
+    if policy.sinks or policy.recent_tokens:
+        L = view.valid.shape[1]
+        big = torch.iinfo(torch.long).max
+        ordered = torch.sort(torch.where(view.valid, view.positions, big), dim=1).values  # live ones first
+        if policy.sinks:
+            keep = keep | (view.positions <= ordered[:, min(policy.sinks, L) - 1:min(policy.sinks, L)])
+        if policy.recent_tokens:
+            first = (view.valid.sum(1, keepdim=True) - policy.recent_tokens).clamp(0, L - 1)
+            keep = keep | (view.positions >= ordered.gather(1, first))
     return keep & view.valid
