@@ -154,9 +154,9 @@ def test_the_readme_speed_figures_are_the_jsons():
                if thinkv["new_tokens"] == base["new_tokens"] else
                f"ThinKV timed over its first {thinkv['new_tokens']:,} new tokens, the baseline over {base['new_tokens']:,}")
     assert (f"ThinKV fits {thinkv['batch']} rows to the baseline's {base['batch']} and decodes "
-            f"{thinkv['ratio_to_baseline']:.0f}x its tokens/s ({summarize._run_gpu(env)}; {windows}") in readme
+            f"{thinkv['ratio_to_baseline']:.1f}x its tokens/s ({summarize._run_gpu(env)}; {windows}") in readme
     full = next(r for r, _ in shown if r["policy"] == "fullkv" and r["scenario"] == "c" and r["run"] == thinkv["run"])
-    assert f"fullkv fits {full['batch']} rows and decodes {full['ratio_to_baseline']:.0f}x" in readme
+    assert f"fullkv fits {full['batch']} rows and decodes {full['ratio_to_baseline']:.1f}x" in readme
     assert "grows with" not in readme  # the baseline's step spans its whole reserved cache at every step
 
 
