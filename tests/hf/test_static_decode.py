@@ -1,5 +1,9 @@
 """Static-shape decoding (kvcompose.hf.static, kvcompose.runtime.schedule): the same tokens, evictions and memory as the eager path."""
 
+import contextlib
+import importlib
+import pkgutil
+
 import pytest
 import torch
 
@@ -342,27 +346,66 @@ def test_policy_generate_fast_matches_eager_and_refuses_sampling(llama):
 
 
 CALIBRATED = {"classifier": {"name": "sparsity_kde", "thresholds": [0.5, 0.8], "layers": [0, 1]}}
+# Per preset: overrides that bring its scheduled work into a short run (every kernel interpreted:
+# a step takes seconds), and the kinds of step of that run ("F" flush, "X" eviction, "R" refresh):
+# the kinds a 20-token run with the POLICIES settings has, in 6 tokens.
+GUARDED_RUNS = {"h2o": ({}, {"", "F"}), "kivi2": ({"residual": 2}, {"", "F"}),
+                "rkv": ({"trigger": {"buffer": 2}}, {"", "F", "X", "FX"}),
+                "thinkv": ({**CALIBRATED, "refresh": 4}, {"", "F", "XR"})}
+GUARDED_TOKENS = 6
 
 
-@pytest.mark.parametrize("preset,overrides", [("h2o", {}), ("kivi2", {}), ("rkv", {}), ("thinkv", CALIBRATED)],
-                         ids=["h2o", "kivi2", "rkv", "thinkv-calibrated"])
-def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(preset, overrides, monkeypatch):
+@contextlib.contextmanager
+def torch_quantizers(monkeypatch):
+    """Inside: every ``kvcompose.ops`` module that picks a backend with ``use_triton`` runs its
+    torch reference (interpreted, the quantize kernels took most of the guarded test's time)."""
+    import kvcompose.ops
+    from kvcompose.ops import dispatch
+
+    names = [info.name for info in pkgutil.walk_packages(kvcompose.ops.__path__, "kvcompose.ops.")]
+    modules = [m for m in map(importlib.import_module, names) if getattr(m, "use_triton", None) is dispatch.use_triton]
+    with monkeypatch.context() as patch:
+        for module in modules:
+            patch.setattr(module, "use_triton", lambda x, kernel, backend: False)
+        yield
+
+
+@pytest.mark.parametrize("preset", sorted(GUARDED_RUNS), ids=["h2o", "kivi2", "rkv", "thinkv-calibrated"])
+def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(preset, monkeypatch):
     """The host code around the per-step kernels (on CPU it only runs with the kernels forced
     into the interpreter) is what a CUDA graph captures too: it must not copy host data or
-    synchronize. The tokens match the references' run. ThinKV with calibrated layers also
+    synchronize. The tokens match the references' run, and the run has every kind of step its
+    schedule makes (flushes, evictions, refreshes). ThinKV with calibrated layers also
     measures their sparsity in its (captured) refresh steps."""
+    from kvcompose.hf.static import StaticDecoder
+    from kvcompose.quantizers.codec import QuantCodec
+
+    overrides, kinds = GUARDED_RUNS[preset]
     model = head_dim_64_llama()
     policy = Policy.from_preset(preset, **{**POLICIES[preset], **overrides})
     _, ids, mask = left_padded([20, 13, 31])
-    expected = fast_generate(model, policy.make_cache(model), ids, mask, 20)
+    with torch_quantizers(monkeypatch):
+        expected = fast_generate(model, policy.make_cache(model), ids, mask, GUARDED_TOKENS)
+    probe, step = QuantCodec._probe, StaticDecoder.step
+    plans = []
+
+    def probe_by_reference(codec, device):  # a codec's one-time encode at set-up, before any step
+        with torch_quantizers(monkeypatch):
+            probe(codec, device)
+
+    def recorded_step(decoder, tokens, plan):
+        plans.append(plan)
+        return step(decoder, tokens, plan)
+
+    monkeypatch.setattr(QuantCodec, "_probe", probe_by_reference)
+    monkeypatch.setattr(StaticDecoder, "step", recorded_step)
     guard_replayed_steps(monkeypatch)
     picked = forced_step_kernels(monkeypatch)
     cache = policy.make_cache(model)
-    assert torch.equal(fast_generate(model, cache, ids, mask, 20), expected)
+    assert torch.equal(fast_generate(model, cache, ids, mask, GUARDED_TOKENS), expected)
     assert cache.static_decoder.eager_steps == 0  # every step was guarded
     assert {"_append_token_kernel", "_paged_partial_kernel"} <= picked
-    if overrides:
-        assert cache.static_decoder.refresh_steps + cache.static_decoder.eviction_steps > 0
+    assert {"".join(c for c, on in zip("FXR", p.graph_key) if on) for p in plans} == kinds
 
 
 @pytest.mark.gpu

@@ -46,18 +46,23 @@ def block_table(lengths, bs, holes, g):
 
 
 def operand(fmt, x, row_of, B, role, g):
-    """``x`` ``[slots, H, D]`` in storage format ``fmt``, with a random per-row head scale where it has one."""
+    """``x`` ``[slots, H, D]`` in storage format ``fmt``, with a random per-row head scale where it has one.
+
+    Quantized by the torch references (as on a GPU run, where these CPU tensors never reach the
+    quantize kernels): the interpreted kernels took most of these tests' time, and test_quant_*
+    checks that they agree with the references."""
     H = x.shape[1]
     if fmt == "dense":
         return KVOperand("dense", x)
     if fmt in UNIT:
         hs = (torch.rand(B, H, generator=g) * 4 + 2) * UNIT[fmt]
-        p = registry.build("quantizer", fmt).quantize(x, head_scale=hs[row_of])
+        p = registry.build("quantizer", fmt).quantize(x, head_scale=hs[row_of], backend="torch")
         return KVOperand(fmt, p.codes, scale=getattr(p, "block_scales", None), head_scale=hs)
     if fmt == "int" or role == "value":
-        p = registry.build("quantizer", {"name": "int", "bits": 4, "group_size": 32}).quantize(x)
+        p = registry.build("quantizer", {"name": "int", "bits": 4, "group_size": 32}).quantize(x, backend="torch")
         return KVOperand("int", p.codes, p.scale, p.minimum, bits=4)
-    p = registry.build("quantizer", {"name": "int", "bits": 2, "layout": "kivi", "token_group": 16}).quantize(x, role="key")
+    p = registry.build("quantizer", {"name": "int", "bits": 2, "layout": "kivi", "token_group": 16}).quantize(
+        x, role="key", backend="torch")
     return KVOperand("int_channel", p.codes, p.scale, p.minimum, bits=2, token_group=16)
 
 
@@ -144,7 +149,7 @@ def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monke
     table, valid, row_of = block_table(lengths, bs, True, g)
     k, v = torch.randn(2, valid.numel(), 2, 64, generator=g).to(torch.bfloat16)
     quantizer = {"name": "int", "bits": 2, "layout": "kivi", "token_group": token_group}
-    p = registry.build("quantizer", quantizer).quantize(k, role="key")
+    p = registry.build("quantizer", quantizer).quantize(k, role="key", backend="torch")  # see operand()
     key = KVOperand("int_channel", p.codes, p.scale, p.minimum, bits=2, token_group=token_group)
     src = PagedSource(key, operand("int", v, row_of, len(lengths), "value", g), table, bs, valid)
     query = torch.randn(len(lengths), 8, 1, 64).to(torch.bfloat16)
