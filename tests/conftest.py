@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-weight decoders and left-padded batches."""
 
+import importlib
 import importlib.util
 import os
 
@@ -24,7 +25,39 @@ def pytest_configure(config):
     # on the CPU (and skips the gpu tests, which never run in the interpreter).
     if not gpu_run(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    share_gguf_parses()
     import kvcompose  # noqa: F401  (registers the kvcompose attention)
+
+
+def share_gguf_parses() -> None:
+    """Parse a GGUF file once per process, not three times per load.
+
+    transformers builds a ``gguf.GGUFReader`` for the config, the tokenizer and the weights of
+    every ``from_pretrained`` of a ``.gguf`` file, and rebuilds gguf's tensor-name map for every
+    module; parsing the embedded model's metadata was most of each load's half minute. The
+    reader only reads a memory map, so one per file (and size and modification time) serves
+    every load: each load still runs all of transformers and builds a new model and tokenizer.
+    """
+    import functools
+
+    try:
+        import gguf
+    except ImportError:
+        return
+    if getattr(gguf.GGUFReader, "shared_parses", False):
+        return
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    reader.shared_parses = True
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -60,6 +93,26 @@ def worker_group(item) -> str | None:
         return "embedded-model"
     name = item.path.name
     return name if name in SHARED_FIXTURE_MODULES else None
+
+
+def use_torch_references(patch, kmeans: bool = False) -> None:
+    """Make the ops of ``kvcompose.ops`` that pick a backend with ``use_triton`` (the quantizers
+    among them), and with ``kmeans`` the k-means, run their torch references, as they do on CPU
+    tensors outside the interpreter. For tests that are not about those kernels (each is held
+    to its reference in tests/ops): through the interpreter they took most of such tests' time.
+    ``patch``: a ``monkeypatch``, or one of its ``context()`` for a part of a test."""
+    import pkgutil
+
+    import kvcompose.ops
+    from kvcompose.ops import dispatch
+    from kvcompose.ops import kmeans as kmeans_ops
+
+    for info in pkgutil.walk_packages(kvcompose.ops.__path__, "kvcompose.ops."):
+        module = importlib.import_module(info.name)
+        if getattr(module, "use_triton", None) is dispatch.use_triton:
+            patch.setattr(module, "use_triton", lambda x, kernel, backend: False)
+    if kmeans:
+        patch.setattr(kmeans_ops, "_use_triton", lambda x, backend: False)
 
 
 def tiny_model(arch: str = "llama", kv_heads: int = 2, heads: int = 4, layers: int = 2, seed: int = 0):

@@ -9,7 +9,8 @@
 
 The pages run in one child process, as a reader runs them: without ``TRITON_INTERPRET``
 (which the suite sets, and under which every quantizer call would crawl through Triton's
-interpreter), one torch thread, the embedded model loaded once.
+interpreter), one torch thread, the embedded model loaded once (a page that loads it
+itself loads it for real, from the GGUF file parsed once: ``conftest.share_gguf_parses``).
 
 A block changes only through a directive written just above it in the page, one per
 HTML comment (invisible in the rendered page, visible in its source):
@@ -411,7 +412,9 @@ def _main(out: str, pages: list[str]) -> None:
     import torch
 
     import kvcompose  # noqa: F401  (registers the kvcompose attention)
+    from conftest import share_gguf_parses   # this file's folder is the child's sys.path[0]
 
+    share_gguf_parses()   # the model loads (getting-started's from_pretrained among them) parse the file once
     torch.set_num_threads(1)
     results = {}
     for page in pages:

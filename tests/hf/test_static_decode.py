@@ -1,13 +1,9 @@
 """Static-shape decoding (kvcompose.hf.static, kvcompose.runtime.schedule): the same tokens, evictions and memory as the eager path."""
 
-import contextlib
-import importlib
-import pkgutil
-
 import pytest
 import torch
 
-from conftest import SHORT_RUN_EVICTION, char_tokenizer, greedy, left_padded
+from conftest import SHORT_RUN_EVICTION, char_tokenizer, greedy, left_padded, use_torch_references
 from sync_guard import HostSyncError, forced_step_kernels, no_host_sync
 from kvcompose import Policy
 from kvcompose.hf.static import STEP_RANGE, decode_signature, fast_generate
@@ -355,21 +351,6 @@ GUARDED_RUNS = {"h2o": ({}, {"", "F"}), "kivi2": ({"residual": 2}, {"", "F"}),
 GUARDED_TOKENS = 6
 
 
-@contextlib.contextmanager
-def torch_quantizers(monkeypatch):
-    """Inside: every ``kvcompose.ops`` module that picks a backend with ``use_triton`` runs its
-    torch reference (interpreted, the quantize kernels took most of the guarded test's time)."""
-    import kvcompose.ops
-    from kvcompose.ops import dispatch
-
-    names = [info.name for info in pkgutil.walk_packages(kvcompose.ops.__path__, "kvcompose.ops.")]
-    modules = [m for m in map(importlib.import_module, names) if getattr(m, "use_triton", None) is dispatch.use_triton]
-    with monkeypatch.context() as patch:
-        for module in modules:
-            patch.setattr(module, "use_triton", lambda x, kernel, backend: False)
-        yield
-
-
 @pytest.mark.parametrize("preset", sorted(GUARDED_RUNS), ids=["h2o", "kivi2", "rkv", "thinkv-calibrated"])
 def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(preset, monkeypatch):
     """The host code around the per-step kernels (on CPU it only runs with the kernels forced
@@ -384,13 +365,15 @@ def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(pres
     model = head_dim_64_llama()
     policy = Policy.from_preset(preset, **{**POLICIES[preset], **overrides})
     _, ids, mask = left_padded([20, 13, 31])
-    with torch_quantizers(monkeypatch):
+    with monkeypatch.context() as patch:  # the reference run: quantizers by their torch references
+        use_torch_references(patch)
         expected = fast_generate(model, policy.make_cache(model), ids, mask, GUARDED_TOKENS)
     probe, step = QuantCodec._probe, StaticDecoder.step
     plans = []
 
     def probe_by_reference(codec, device):  # a codec's one-time encode at set-up, before any step
-        with torch_quantizers(monkeypatch):
+        with monkeypatch.context() as patch:
+            use_torch_references(patch)
             probe(codec, device)
 
     def recorded_step(decoder, tokens, plan):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import greedy, left_padded, tiny_model
+from conftest import greedy, left_padded, tiny_model, use_torch_references
 from kvcompose import Policy
 from kvcompose.evictors import EvictionContext, ThoughtEvictor
 from kvcompose.triggers import SegmentEnd, TriggerInput
@@ -94,7 +94,10 @@ def _small_thinkv(**overrides):
     return Policy.from_preset("thinkv", **config)
 
 
-def test_thinkv_end_to_end_batch_parity_ct_and_report():
+def test_thinkv_end_to_end_batch_parity_ct_and_report(monkeypatch):
+    # The quantizers and TBE's k-means run inside a cache in tests/quantizers/test_codec.py and
+    # tests/hf/test_static_decode.py; here their references keep a 96-token run short.
+    use_torch_references(monkeypatch, kmeans=True)
     model = tiny_model("llama", heads=2, kv_heads=1)  # head dim 32
     policy = _small_thinkv()
     prompts, ids, mask = left_padded([20, 37])
