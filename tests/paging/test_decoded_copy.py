@@ -253,12 +253,13 @@ def test_the_attention_reads_second_level_scales_kept_up_to_date_not_computed_pe
 
 
 @pytest.mark.parametrize("name", [*PRECISIONS, "dense"])
-def test_a_keys_only_view_is_the_full_views_keys_without_reading_values(name, monkeypatch):
+@pytest.mark.parametrize("tokens", [3, 40])  # all in the buffer (no region has blocks yet), then in blocks
+def test_a_keys_only_view_is_the_full_views_keys_without_reading_values(name, tokens, monkeypatch):
     """What evictors and classifiers read (``view(values=False)``): the same keys and slot
     state as the full view, no values, and no value payload gathered or decoded."""
     store = LayerStore(B, H, D, torch.float32, torch.device("cpu"), group_size=16, residual=4) if name == "dense" \
         else make_store(name)
-    append(store, 40, seed=3)
+    append(store, tokens, seed=3)
     full = store.view()
     for region in store.regions:  # any read of a value tensor now fails
         pool = region.pool

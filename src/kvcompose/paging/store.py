@@ -274,7 +274,8 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             rows = torch.arange(B, device=self.device).repeat_interleave(W)
             scales = {n: t[rows] for n, t in self.row_scales[pool.codec.name].items()}
             if not ids.numel():  # no blocks yet: skip the codec (quantized formats reject empty input)
-                k = v = torch.zeros(0, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+                k = torch.zeros(0, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+                v = k if values else None
             elif values:
                 k, v = pool.codec.decode(slots, groups, scales, self.dtype)
             else:
