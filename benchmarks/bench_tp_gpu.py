@@ -187,9 +187,8 @@ def _empty_cache() -> None:
 def run_degree(tp: int, args, checkpoint: Path, records: Path) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp),
                __file__, "--worker", "--checkpoint", str(checkpoint), "--records", str(records)]
-    for key in ("policies", "kinds", "batch", "prompt", "new", "budget", "memory_gib", "window", "fixed_prompt",
-                "fixed_new"):
-        command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    for key, value in settings(args).items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
     if args.smoke:
         command.append("--smoke")
     try:
@@ -200,6 +199,13 @@ def run_degree(tp: int, args, checkpoint: Path, records: Path) -> list[dict]:
         return json.loads(records.read_text())
     return [{"tp": tp, "policy": p, "kind": k, "error": f"torchrun failed ({failure})"}
             for p in args.policies.split(",") for k in args.kinds.split(",")]
+
+
+def settings(args) -> dict:
+    """What a degree's workers measure; a resumed run must measure the same."""
+    keys = ("policies", "kinds", "batch", "prompt", "new", "budget", "memory_gib", "window", "fixed_prompt",
+            "fixed_new")
+    return {key: getattr(args, key) for key in keys}
 
 
 def add_scaling(rows: list[dict]) -> None:
@@ -228,6 +234,9 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=None, help="where the random checkpoint is written (default: a temp dir)")
     ap.add_argument("--run", default=None, help="label of this run, stored in each record")
     ap.add_argument("--out", default=None, help="history file this run is added to (benchmarks/results/tp_gpu.json)")
+    ap.add_argument("--resume", action="store_true",
+                    help="add these degrees to the newest run labelled --run in --out (same host and sources), "
+                         "so that one run's TP = 1 scales the degrees measured by a later command")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--records", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -237,13 +246,22 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    log = ResultLog(args.out, environment(allocator=os.environ["PYTORCH_CUDA_ALLOC_CONF"])) if args.out else None
+    here = environment(allocator=os.environ["PYTORCH_CUDA_ALLOC_CONF"])
+    rows: list[dict] = []
+    if args.resume:
+        if not (args.out and args.run):
+            ap.error("--resume needs --out and --run: the run to add to")
+        log, earlier = ResultLog.resume(args.out, args.run, here)
+        rows = list(earlier["records"])
+        if earlier.get("settings") != settings(args):
+            ap.error(f"run {log.run_id} measured {earlier.get('settings')}, not {settings(args)}")
+    else:
+        log = ResultLog(args.out, here) if args.out else None
     cuda = torch.cuda.is_available()
     if not cuda and (not args.smoke or "fixed_memory" in args.kinds):
         ap.error("without a GPU only --smoke --kinds same_batch runs (ranks on the CPU over gloo: checks the script)")
     checkpoint = Path(args.checkpoint or tempfile.mkdtemp(prefix="kvcompose_tp_"))
     write_checkpoint(checkpoint, args.smoke, "cuda" if cuda else "cpu")
-    rows: list[dict] = []
     gpu = torch.cuda.get_device_name(0) if cuda else None
     for tp in [int(t) for t in args.tp.split(",") if t]:
         with tempfile.TemporaryDirectory() as scratch:
@@ -252,7 +270,8 @@ def main(argv=None) -> int:
         add_scaling(rows)
         if log is not None:
             log.save({"benchmark": "tp_gpu", "run": args.run or "tp", "smoke": args.smoke,
-                      "model": "tiny random Llama" if args.smoke else MODEL, "records": rows})
+                      "model": "tiny random Llama" if args.smoke else MODEL, "settings": settings(args),
+                      "records": rows})
     print(format_table(TABLE, [[_cell(r.get(c)) for c in TABLE] for r in rows]), flush=True)
     return 0
 

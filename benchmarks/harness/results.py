@@ -46,7 +46,8 @@ class ResultLog:
     :meth:`save` may be called as often as the run likes (after every record, so that a
     run cut off by a time limit keeps what it measured): it replaces this run's own entry
     and leaves every other entry as it found it. The environment is taken once, when the
-    run starts, so the run's own writes do not mark the tree dirty.
+    run starts, so the run's own writes do not mark the tree dirty. A run keeps its place in the
+    history, oldest first, also when it is resumed (:meth:`resume`) after later runs were added.
     """
 
     def __init__(self, path: str | Path, environment: dict | None = None):
@@ -58,10 +59,33 @@ class ResultLog:
         self.environment = environment
         self.run_id = f"{environment['date']}/{uuid.uuid4().hex[:8]}"
 
+    @classmethod
+    def resume(cls, path: str | Path, label: str, environment: dict) -> tuple["ResultLog", dict]:
+        """Continue the newest run labelled ``label`` at ``path`` (one benchmark split over several
+        commands), with its ``run_id`` and environment. It must have run on this host from the same
+        sources, or its numbers and the new ones would not be comparable: anything else is refused."""
+        runs = [r for r in read_runs(path) if r.get("run") == label]
+        if not runs:
+            raise ValueError(f"no run labelled {label!r} in {path} to resume")
+        run = runs[-1]
+        before = run.get("environment", {})
+        for key in ("host", "source_sha256", "gpu"):
+            if before.get(key) != environment.get(key):
+                raise ValueError(f"run {run['run_id']} has {key}={before.get(key)!r}, this process "
+                                 f"{environment.get(key)!r}: start a new run instead of resuming it")
+        log = cls(path, before)
+        log.run_id = run["run_id"]
+        return log, run
+
     def save(self, run: dict) -> Path:
-        others = [r for r in read_runs(self.path) if r.get("run_id") != self.run_id]
         entry = {"run_id": self.run_id, **run, "environment": self.environment}
-        _write(self.path, {"benchmark": self.path.stem, "runs": others + [entry]})
+        runs = read_runs(self.path)
+        ids = [r.get("run_id") for r in runs]
+        if self.run_id in ids:  # this run's entry, where it stands
+            runs[ids.index(self.run_id)] = entry
+        else:
+            runs.append(entry)
+        _write(self.path, {"benchmark": self.path.stem, "runs": runs})
         return self.path
 
 

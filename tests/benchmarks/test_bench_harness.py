@@ -37,6 +37,23 @@ def test_runs_are_appended_and_a_file_in_the_older_layout_stays_the_first_run(re
     assert results.latest_run(path)["results"] == [2, 3]  # a --smoke check is not shown
 
 
+def test_a_run_is_resumed_only_on_its_host_and_sources(results, tmp_path):
+    path = tmp_path / "tp_gpu.json"
+    env = dict(ENV, host="h", source_sha256="s")
+    first = results.ResultLog(path, env)
+    first.save({"run": "tp", "records": [1]})
+    results.append_run(path, {"run": "other", "records": []}, env)
+    log, run = results.ResultLog.resume(path, "tp", dict(env, date="later"))
+    assert log.run_id == first.run_id and log.environment == env and run["records"] == [1]
+    log.save({"run": "tp", "records": [1, 2]})
+    assert [r["records"] for r in results.read_runs(path)] == [[1, 2], []]  # in its place
+    for key in ("host", "source_sha256", "gpu"):
+        with pytest.raises(ValueError, match=f"{key}="):
+            results.ResultLog.resume(path, "tp", dict(env, **{key: "elsewhere"}))
+    with pytest.raises(ValueError, match="no run labelled 'none'"):
+        results.ResultLog.resume(path, "none", env)
+
+
 def test_a_missing_file_has_no_runs(results, tmp_path):
     assert results.read_runs(tmp_path / "none.json") == [] and results.latest_run(tmp_path / "none.json") is None
 

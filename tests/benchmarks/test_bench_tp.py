@@ -1,5 +1,6 @@
-"""The tensor-parallel benchmark on CPU: ``--smoke`` at TP 1 and 2, its ranks over gloo, writes
-records with the fields the results page reads, and its ranks agree."""
+"""The tensor-parallel benchmark on CPU: ``--smoke`` at TP 1, then TP 2 added to the same run by a
+second command (``--resume``), its ranks over gloo, writes records with the fields the results
+page reads, and its ranks agree."""
 
 import json
 import os
@@ -16,11 +17,14 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_tp_gpu.py"
 def test_a_cpu_smoke_run_records_every_degree_with_agreeing_ranks(tmp_path):
     out = tmp_path / "tp_gpu.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}  # torch references on both sides
-    done = subprocess.run([sys.executable, str(BENCH), "--smoke", "--tp", "1,2", "--kinds", "same_batch",
-                           "--policies", "fullkv,rkv", "--checkpoint", str(tmp_path / "model"), "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = json.loads(out.read_text())["runs"][-1]
+    common = [sys.executable, str(BENCH), "--smoke", "--kinds", "same_batch", "--policies", "fullkv,rkv",
+              "--checkpoint", str(tmp_path / "model"), "--out", str(out), "--run", "smoke-tp"]
+    for degrees in (["--tp", "1"], ["--tp", "2", "--resume"]):
+        done = subprocess.run(common + degrees, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 1  # the second command continued the first one's run
+    run = runs[0]
     assert run["smoke"] and run["environment"]["git_commit"]
     records = {(r["tp"], r["policy"]): r for r in run["records"]}
     assert set(records) == {(1, "fullkv"), (1, "rkv"), (2, "fullkv"), (2, "rkv")}
