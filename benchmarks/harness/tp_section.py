@@ -16,11 +16,14 @@ TP_KINDS = {
 
 
 def tensor_parallel(lines: list[str]) -> None:
-    """The newest record of each (kind, policy, TP) over the non-smoke runs of ``tp_gpu.json``."""
+    """The newest record of each (kind, policy, TP, workload) over the non-smoke runs of ``tp_gpu.json``: a
+    run at another batch or length adds rows instead of replacing those it does not measure."""
     newest = {}
     for run in (r for r in read_runs(RESULTS_DIR / "tp_gpu.json") if not r.get("smoke")):
         for rec in run["records"]:
-            newest[(rec["kind"], rec["policy"], rec["tp"])] = dict(rec, run=run["run"])
+            rec = dict(_workload(run, rec), **rec, run=run["run"])
+            key = ("prompt", "new_tokens", "batch") if rec["kind"] == "same_batch" else ("prompt", "memory_cap_gib")
+            newest[(rec["kind"], rec["policy"], rec["tp"], *(rec.get(k) for k in key))] = rec
     if not newest:
         return
     lines += ["## Tensor-parallel decode", "",
@@ -31,23 +34,44 @@ def tensor_parallel(lines: list[str]) -> None:
               "weight shards and KV bytes over the copy bandwidth of its GPU. *ranks agree*: every layer of every "
               "rank held the positions rank 0 held at the end.", ""]
     for kind, method in TP_KINDS.items():
-        recs = [r for (k, _, _), r in newest.items() if k == kind]
+        recs = [r for (k, *_), r in newest.items() if k == kind]
         if not recs:
             continue
-        shape = (f"prompt {recs[0]['prompt']:,}, {recs[0]['new_tokens']:,} new tokens timed" +
-                 (f", cap {recs[0]['memory_cap_gib']:g} GiB per GPU, room reserved for "
-                  f"{recs[0]['reserved_new_tokens']:,} new tokens" if kind == "fixed_memory" else ""))
-        rows = [[r["run"], run_gpu({"gpu": r.get("gpu")}), r["tp"], r["policy"], _batch(r),
+        rows = [[r["run"], run_gpu({"gpu": r.get("gpu")}), r["tp"], r["policy"], _batch(r), _tokens(r),
                  *(f"{r[c]:.2f}" if r.get(c) is not None else NONE for c in ("ms_per_step", "steady_ms_per_step",
                                                                             "floor_ms_per_step")),
                  f"{r['tok_per_s']:,.0f}" if r.get("tok_per_s") else NONE,
                  f"{r['scaling_vs_tp1']:.2f}" if r.get("scaling_vs_tp1") else NONE, r.get("ranks_agree", NONE),
-                 f"{r['peak_gib']:.1f}" if r.get("peak_gib") else NONE]
-                for r in sorted(recs, key=lambda r: (r["policy"] != "fullkv", r["policy"], r["tp"]))]
-        lines += [f"{method} {shape[0].upper() + shape[1:]}.", ""]
-        lines += markdown_table(["run", "GPU", "TP", "policy", "batch", "ms/step", "steady ms/step", "floor ms/step", "tok/s",
-                         "x TP=1", "ranks agree", "peak GiB"], rows) + [""]
+                 f"{r['peak_gib']:.1f}" if r.get("peak_gib") else NONE, _error(r)]
+                for r in sorted(recs, key=lambda r: (r.get("batch", 0), r.get("prompt", 0), r["policy"] != "fullkv",
+                                                     r["policy"], r["tp"]))]
+        cap = next((r for r in recs if "memory_cap_gib" in r), None)
+        lines += [method + (f" Cap {cap['memory_cap_gib']:g} GiB per GPU, room reserved for "
+                            f"{cap['reserved_new_tokens']:,} new tokens." if cap else ""), ""]
+        lines += markdown_table(["run", "GPU", "TP", "policy", "batch", "prompt + new (timed)", "ms/step",
+                                 "steady ms/step", "floor ms/step", "tok/s", "x TP=1", "ranks agree", "peak GiB",
+                                 "error"], rows) + [""]
 
+
+def _workload(run: dict, record: dict) -> dict:
+    """What a record measured, from the run's settings where the record lacks it (a failed one)."""
+    settings = run.get("settings") or {}
+    if record["kind"] == "same_batch":
+        return {"prompt": settings.get("prompt"), "new_tokens": settings.get("new")}
+    return {"prompt": settings.get("fixed_prompt"), "new_tokens": settings.get("window"),
+            "memory_cap_gib": settings.get("memory_gib"), "reserved_new_tokens": settings.get("fixed_new")}
+
+
+def _tokens(record: dict) -> str:
+    """The prompt and the decode steps timed (a failed record has only its run's error)."""
+    if record.get("prompt") is None:
+        return NONE
+    return f"{record['prompt']:,} + {record['new_tokens']:,}"
+
+
+def _error(record: dict) -> str:
+    """The kind of failure of a record that has no time (the whole message stays in the JSON)."""
+    return record["error"].split(":")[0] if record.get("error") else ""
 
 
 def _batch(record: dict):
