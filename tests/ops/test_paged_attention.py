@@ -510,3 +510,70 @@ def test_a_format_without_attention_support_is_named():
         Quantizer().attention_format("key")
     with pytest.raises(TypeError, match="SlotCodec .* does not define kv_operands"):
         SlotCodec().kv_operands({}, {}, {})
+
+
+def rotated_output_case(dtype, group, seed, device="cpu", D=64):
+    """A rotated output's sources (a long packed source and a short buffer), the query and the
+    Hadamard rotation that turns the output back."""
+    from kvcompose.rotations import HadamardRotation
+    from kvcompose.runtime.layer import _exact_form
+
+    src = make_source("nvfp4", [300, 0, 90], 2, D, dtype=dtype, holes=True, seed=seed, device=device)
+    buffer = make_source("dense", [5, 0, 15], 2, D, dtype=dtype, bs=15, seed=seed + 1, device=device)
+    query = torch.randn(3, 2 * group, 1, D, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+    _, back, _ = _exact_form(HadamardRotation(seed=seed).matrices(0, 2, D), dtype, device)
+    return [src, buffer], query, back
+
+
+@pytest.mark.parametrize("riders", ["never", "always"])
+@pytest.mark.parametrize("dtype,group", [(torch.bfloat16, 4), (torch.float32, 1), (torch.float16, 8)])
+def test_the_merge_turns_a_rotated_output_back(riders, dtype, group, monkeypatch, device="cpu", D=64):
+    """``rotate_out`` in the merge (the plain merge, or the one that computes the buffer itself)
+    equals the reference's output rotated afterwards, with no launch of its own; with probabilities,
+    and where the merge would otherwise slice the channels, it keeps whole rows."""
+    from kvcompose.rotations import rotate
+
+    sources, query, back = rotated_output_case(dtype, group, seed=3, device=device, D=D)
+    monkeypatch.setattr(launch, "RIDERS_IN_MERGE", riders)
+    monkeypatch.setattr(launch, "merge_width", lambda pairs, D, device: 16)  # rotation overrides the slicing
+    from kvcompose.ops import rotate_rows
+
+    launches = count_launches(monkeypatch, kernels._merge_kernel, kernels._rider_merge_kernel,
+                              rotate_rows._rotate_rows_kernel)
+    out, probs = paged_decode_attention(query, sources, 0.1, probs=True, backend="triton", rotate_out=back)
+    assert launches == {"_merge_kernel": 1}  # with the probabilities every source is in the partial launch
+    out_only = paged_decode_attention(query, sources, 0.1, backend=None if device == "cuda" else "triton",
+                                      rotate_out=back)
+    assert sum(launches.values()) == 2 and "_rotate_rows_kernel" not in launches  # one merge each, no rotation
+    torch.testing.assert_close(out_only.float(), out.float(), atol=2e-2 if dtype != torch.float32 else 1e-5, rtol=0)
+    ref, ref_probs = paged_decode_attention_torch(query, sources, 0.1, return_probs=True)
+    want = rotate(ref, back)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    assert out.shape == query.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(probs, ref_probs, atol=tol / 16, rtol=tol)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # the empty row: zeros, no NaN
+    torch_out = paged_decode_attention(query, sources, 0.1, backend="torch", rotate_out=back)
+    torch.testing.assert_close(torch_out.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("riders", ["never", "always"])
+@pytest.mark.parametrize("dtype,group", [(torch.bfloat16, 4), (torch.float32, 8)])
+def test_cuda_merge_turns_a_rotated_output_back(riders, dtype, group, monkeypatch):
+    """On the GPU, head dim 128 (the CUDA kernel's partials where it is built), bf16 on the tensor cores."""
+    test_the_merge_turns_a_rotated_output_back(riders, dtype, group, monkeypatch, device="cuda", D=128)
+
+
+def test_per_head_matrices_are_turned_back_after_the_kernel():
+    """Matrices without the signed shared form are applied after the merge, as the reference does."""
+    from kvcompose.rotations import rotate
+
+    sources, query, back = rotated_output_case(torch.float32, 2, seed=5)
+    dense = back.dense()
+    out = paged_decode_attention(query, sources, 0.1, backend="triton", rotate_out=dense)
+    want = rotate(paged_decode_attention_torch(query, sources, 0.1), dense)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="rotate_out holds 3 matrices of dim 64; the output needs one per KV "
+                                         r"head \(2\) of dim 64"):
+        paged_decode_attention(query, sources, 0.1, backend="triton", rotate_out=torch.eye(64).repeat(3, 1, 1))
