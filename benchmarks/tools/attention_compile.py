@@ -65,29 +65,22 @@ def main(argv=None) -> int:
     kernel = compile_for_hopper(kernels._paged_partial_kernel, dict(sig, q_ptr="*fp16"), consts, 1)
     print(f"partial int_channel/int per element, fp16: {len(kernel.asm['cubin'])} bytes of cubin", flush=True)
     count += 1
-    sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32", "S": "i32",
-           "sign_ptr": "*bf16", "m_ptr": "*bf16"}
-    no_rotation = dict(ROT=False, SIGNS_FIRST=False, LOW=False)
-    rotated = dict(ROT=True, SIGNS_FIRST=False, LOW=True)  # the output turned back (signs after the product)
-    for warps, width, rot in ((launch.MERGE_WARPS, 128, no_rotation), (launch.MERGE_WARPS, launch.MERGE_SLICE, no_rotation),
-                              (launch.ROTATED_MERGE_WARPS, 128, rotated)):  # whole rows, sliced, rotated back
-        kernel = compile_for_hopper(kernels._merge_kernel, sig, dict(D=128, SP=128, DP=width, OUT=1, HQ=32, G=4,
-                                                                     CHUNK=launch.MERGE_CHUNK, **rot), warps)
-        print(f"merge, {warps} warps, {width} channels{', rotated back' if rot['ROT'] else ''}: "
-              f"{len(kernel.asm['cubin'])} bytes of cubin")
+    sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32", "S": "i32"}
+    for warps, width in ((launch.MERGE_WARPS, 128), (launch.MERGE_WARPS, launch.MERGE_SLICE)):  # whole rows, sliced
+        kernel = compile_for_hopper(kernels._merge_kernel, sig, dict(D=128, SP=128, DP=width, OUT=1, CHUNK=launch.MERGE_CHUNK),
+                                    warps)
+        print(f"merge, {warps} warps, {width} channels: {len(kernel.asm['cubin'])} bytes of cubin")
         count += 1
     for group in (1, 4):  # the buffer's partial and the merge, beside the CUDA kernel's partial results
         sig, consts = partial_variant("dense", "dense", "bf16", "fp32", 0, group, 128, False, launch.SMALL_TILE,
                                       buffer=False)
         consts = dict(consts, CONSTS=(consts["CONSTS"][0][:-3] + (launch.SMALL_TILE, launch.SMALL_STAGES, True),))
         sig = {"q_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32",
-               "S": "i32", "qk_scale": "fp32", "sources": sig["sources"], "sign_ptr": "*bf16", "m_ptr": "*bf16"}
+               "S": "i32", "qk_scale": "fp32", "sources": sig["sources"]}
         merge = {k: consts[k] for k in launch.RIDER_MERGE_CONSTS}
-        rot = rotated if group == 4 else no_rotation
-        kernel = compile_for_hopper(kernels._rider_merge_kernel, sig, dict(merge, SP=16, CHUNK=launch.MERGE_CHUNK, **rot),
+        kernel = compile_for_hopper(kernels._rider_merge_kernel, sig, dict(merge, SP=16, CHUNK=launch.MERGE_CHUNK),
                                     launch.TILE_SHAPE[1])
-        print(f"buffer and merge, G={group}{', rotated back' if rot['ROT'] else ''}: "
-              f"{len(kernel.asm['cubin'])} bytes of cubin")
+        print(f"buffer and merge, G={group}: {len(kernel.asm['cubin'])} bytes of cubin")
         count += 1
     sig = {**{f"x{i}_ptr": "*bf16" for i in range(3)}, **{f"o{i}_ptr": "*i16" for i in range(3)},
            "sign_ptr": "*bf16", "m_ptr": "*bf16", **{f"s{i}{d}": "i32" for i in range(3) for d in "bh"}}

@@ -10,7 +10,7 @@ from kvcompose.ops.append_token import append_token
 B, CAP, H, D = 4, 5, 2, 8
 
 
-def make_state(dtype, channels: int, seed: int = 0, D: int = D):
+def make_state(dtype, channels: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     meta = {"pos": torch.full((B, CAP), -1, dtype=torch.long), "valid": torch.zeros(B, CAP, dtype=torch.bool),
             "cls": torch.zeros(B, CAP, dtype=torch.long)}
@@ -123,76 +123,3 @@ def test_a_bad_query_ring_is_named():
         append_token(*args, ring=(torch.zeros(B, 4, 1, D), ring_q, ring_pos.int()))
     with pytest.raises(ValueError, match="contiguous"):
         append_token(*args, ring=(torch.zeros(B, 4, 1, D), ring_q.transpose(2, 3), ring_pos))
-
-
-def rotated_step(dtype, backend, rotation, Hq=4, W=3, seed=5, device="cpu"):
-    """One appended step with a rotation: the state after it, the rotated query, the ring."""
-    g = torch.Generator().manual_seed(seed)
-    s = {k: ({n: t.to(device) for n, t in v.items()} if k == "meta" else v.to(device))
-         for k, v in make_state(dtype, 1, D=32).items()}
-    keys = torch.randn(B, 1, H, 32, generator=g).to(dtype).transpose(1, 2).to(device)
-    values = torch.randn(B, H, 1, 32, generator=g).to(dtype).to(device)
-    query = torch.randn(B, 1, Hq, 32, generator=g).to(dtype).transpose(1, 2).to(device)
-    ring = (query, torch.zeros(B, Hq, W, 32, dtype=dtype, device=device),
-            torch.zeros(B, W, dtype=torch.long, device=device))
-    positions, rotated = append_token(keys, values, s["buf_k"], s["buf_v"], s["meta"], s["buf_len"],
-                                      s["tokens_seen"], s["column"], torch.tensor([2, 0, 1, 3], device=device),
-                                      s["overflow"], s["nonfinite"], ring=ring, backend=backend, rotation=rotation,
-                                      query=query)
-    return s, positions, rotated, ring, (query, keys, values)
-
-
-def hadamard(dtype, seed=1, device="cpu"):
-    from kvcompose.rotations import HadamardRotation
-    from kvcompose.runtime.layer import _exact_form
-
-    return _exact_form(HadamardRotation(seed=seed).matrices(0, H, 32), dtype, device)[0]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_the_kernel_rotates_keys_values_and_the_query_in_the_append(dtype, device="cpu"):
-    """With a signed Hadamard rotation the launch stores rotated keys and values, writes the rotated
-    query (returned, and into the ring), and leaves everything else as the plain append does."""
-    from kvcompose.rotations import rotate
-
-    rotation = hadamard(dtype, device=device)
-    got, positions, rotated, ring, (query, keys, values) = rotated_step(dtype, "triton", rotation, device=device)
-    want, want_pos, want_rotated, want_ring, _ = rotated_step(dtype, "torch", rotation, device=device)
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
-    close = dict(atol=tol * 4, rtol=tol)
-    torch.testing.assert_close(rotated, rotate(query, rotation), **close)
-    torch.testing.assert_close(want_rotated, rotate(query, rotation), **close)
-    assert rotated.shape == query.shape and rotated.dtype == dtype and torch.equal(positions, want_pos)
-    at = make_state(dtype, 1)["buf_len"].to(device)
-    torch.testing.assert_close(got["buf_k"][torch.arange(B, device=device), at], rotate(keys, rotation)[:, :, 0],
-                               **close)
-    for name in ("buf_k", "buf_v"):
-        torch.testing.assert_close(got[name], want[name], **close)
-    torch.testing.assert_close(ring[1][:, :, 17 % 3], rotated[:, :, 0], atol=0, rtol=0)
-    torch.testing.assert_close(ring[1], want_ring[1], **close)
-    assert torch.equal(ring[2], want_ring[2])
-    for key in ("meta", "buf_len", "tokens_seen", "column", "overflow", "nonfinite"):
-        assert_same({key: got[key]}, {key: want[key]})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_append_rotates_as_the_reference(dtype):
-    """On the GPU the bf16 product runs on the tensor cores."""
-    test_the_kernel_rotates_keys_values_and_the_query_in_the_append(dtype, device="cuda")
-
-
-def test_other_rotations_are_applied_before_the_append():
-    """Per-head matrices (no signed shared form) and the torch path: rotated first, then appended."""
-    from kvcompose.rotations import rotate
-
-    dense = hadamard(torch.float32).dense()
-    got, _, rotated, ring, (query, keys, values) = rotated_step(torch.float32, "triton", dense)
-    torch.testing.assert_close(rotated, rotate(query, dense))
-    torch.testing.assert_close(ring[1][:, :, 17 % 3], rotated[:, :, 0])
-    at = make_state(torch.float32, 1)["buf_len"]
-    torch.testing.assert_close(got["buf_k"][torch.arange(B), at], rotate(keys, dense)[:, :, 0])
-    with pytest.raises(ValueError, match=r"a rotation needs the step's query \[4, Hq, 1, 32\]; got None"):
-        s = make_state(torch.float32, 0, D=32)
-        append_token(keys, values, s["buf_k"], s["buf_v"], s["meta"], s["buf_len"], s["tokens_seen"], s["column"],
-                     torch.zeros(B, dtype=torch.long), s["overflow"], s["nonfinite"], rotation=dense)

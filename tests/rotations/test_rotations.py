@@ -116,29 +116,6 @@ def test_static_decode_gives_the_eager_tokens_with_rotation(llama, preset, overr
     assert torch.equal(expected, got)
 
 
-def test_a_static_step_rotates_in_its_append_and_turns_back_in_its_merge(llama, monkeypatch):
-    """The kernels of a static step (interpreted here) take the rotation: the append rotates the
-    query (into R-KV's ring too), keys and values, the attention's merge turns the output back, and
-    no decode step runs a rotation of its own; the tokens stay the eager path's, evictions included."""
-    from kvcompose.ops import append_token as append_module
-    from kvcompose.runtime import layer as layer_module
-
-    monkeypatch.setattr(append_module, "step_kernel_runs", lambda x, kernel, backend, fits=True: True)
-    rotated_steps = []
-    plain = layer_module._rotated
-    monkeypatch.setattr(layer_module, "_rotated", lambda tensors, m: rotated_steps.append(tensors[0].shape[2])
-                        or plain(tensors, m))
-    policy = Policy.from_preset("rkv", rotation="hadamard", budget=16, trigger={"buffer": 4})
-    _, ids, mask = left_padded([14, 9])
-    expected = greedy(llama, ids, mask, 8, cache=policy.make_cache(llama))
-    rotated_steps.clear()
-    cache = policy.make_cache(llama)
-    cache.attention_backend = "triton"
-    got = fast_generate(llama, cache, ids, mask, 8)[:, ids.shape[1]:]
-    assert torch.equal(expected, got) and cache.report().eviction_steps > 0
-    assert rotated_steps and 1 not in rotated_steps  # the prefills only (and eager eviction views, none here)
-
-
 def test_every_preset_takes_a_rotation_and_its_config_keeps_it():
     from kvcompose.policies.presets import PRESETS
 

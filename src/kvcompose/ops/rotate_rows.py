@@ -23,24 +23,6 @@ MATRIX_BYTES = 64 * 1024
 
 
 @jit
-def signed_product_tl(x, signs, m, SIGNS_FIRST: tl.constexpr, LOW: tl.constexpr):
-    """fp32 rows ``x`` ``[R, D]`` (``R >= 16``) times ``diag(s) m`` (``SIGNS_FIRST``) or ``m diag(s)``, ``signs``
-    broadcasting to ``x`` (one head's ``[1, D]`` or each row's ``[R, D]``). The matrix is ``±1`` (or ``±1/D``),
-    so each product is exact and only the fp32 sums round: on the tensor cores in ``m``'s 16-bit dtype
-    (``LOW``, where the sign flip is exact too), else in fp32 without TF32. The kernels that fold a
-    rotation into their own work (the append of a decode step, the attention's merge) share it."""
-    if SIGNS_FIRST:
-        x = x * signs
-    if LOW:
-        y = tl.dot(x.to(m.dtype), m)
-    else:
-        y = tl.dot(x, m.to(tl.float32), input_precision="ieee")
-    if not SIGNS_FIRST:
-        y = y * signs
-    return y
-
-
-@jit
 def _rotate_rows_kernel(x0_ptr, x1_ptr, x2_ptr, o0_ptr, o1_ptr, o2_ptr, sign_ptr, m_ptr,
                         s0b, s0h, s1b, s1h, s2b, s2h,
                         H: tl.constexpr, G0: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr,
@@ -49,8 +31,10 @@ def _rotate_rows_kernel(x0_ptr, x1_ptr, x2_ptr, o0_ptr, o1_ptr, o2_ptr, sign_ptr
     """Rows of one (row ``b``, KV head ``h``): ``G0`` heads of tensor 0, then ``G1`` of tensor 1
     and ``G2`` of tensor 2 (0: absent), padded to ``R`` rows; each row times ``diag(s_h) M``
     (``SIGNS_FIRST``) or ``M diag(s_h)``. Inputs at any (batch, head) strides, channels at unit
-    stride; outputs contiguous ``[B, H * G, D]`` of kind ``OUT`` (:func:`~kvcompose.ops.layout.store_out_tl`),
-    the product as :func:`signed_product_tl` computes it."""
+    stride; outputs contiguous ``[B, H * G, D]`` of kind ``OUT`` (:func:`~kvcompose.ops.layout.store_out_tl`).
+    The matrix is ``±1`` (or ``±1/D``), so each product is exact and only the fp32 sums round, as
+    in the torch product: on the tensor cores in the inputs' 16-bit dtype (``LOW``, where the
+    sign flip is exact too), else in fp32 without TF32."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // H
     h = pid % H
@@ -68,7 +52,15 @@ def _rotate_rows_kernel(x0_ptr, x1_ptr, x2_ptr, o0_ptr, o1_ptr, o2_ptr, sign_ptr
         x += tl.load(x2_ptr + b * s2b + (h * G2 + r - G0 - G1)[:, None] * s2h + d[None, :], mask=in2[:, None],
                      other=0.0).to(tl.float32)
     signs = tl.load(sign_ptr + h * D + d).to(tl.float32)
-    y = signed_product_tl(x, signs[None, :], tl.load(m_ptr + d[:, None] * D + d[None, :]), SIGNS_FIRST, LOW)
+    if SIGNS_FIRST:
+        x = x * signs[None, :]
+    m = tl.load(m_ptr + d[:, None] * D + d[None, :])
+    if LOW:
+        y = tl.dot(x.to(m.dtype), m)
+    else:
+        y = tl.dot(x, m.to(tl.float32), input_precision="ieee")
+    if not SIGNS_FIRST:
+        y = y * signs[None, :]
     store_out_tl(o0_ptr + ((b * H + h) * G0 + r)[:, None] * D + d[None, :], y, in0[:, None], OUT)
     if G1 > 0:
         store_out_tl(o1_ptr + ((b * H + h) * G1 + r - G0)[:, None] * D + d[None, :], y, in1[:, None], OUT)

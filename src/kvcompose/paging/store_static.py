@@ -55,21 +55,18 @@ class StoreStatic:
                                for name, scales in self.row_scales.items()}
 
     def append_step(self, keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, flush: bool,
-                    query_ring: tuple | None = None, rotation=None, query: torch.Tensor | None = None):
+                    query_ring: tuple | None = None) -> torch.Tensor:
         """Static mode: append one real token per row (``[B, Hkv, 1, D]``, classes ``[B]``) and
         return its positions ``[B, 1]``. ``flush``: the caller knows that some row's buffer
         fills this step, so its oldest group is encoded into blocks (rows whose buffer is not
         full write nothing). ``query_ring``: the caller's ring of recent queries, written in
         the same launch (see :func:`~kvcompose.ops.append_token.append_token`). Host counters
-        (``columns_seen``) are the caller's to advance. ``rotation``: the keys, values and
-        ``query`` are rotated in the same launch, and the call returns ``(positions, rotated
-        query)``."""
-        result = append_token(keys, values, self.buf_k, self.buf_v, self.buf_meta, self.buf_len, self.tokens_seen,
-                              self.column, cls, self.overflow, self.nonfinite, ring=query_ring, rotation=rotation,
-                              query=query)
+        (``columns_seen``) are the caller's to advance."""
+        positions = append_token(keys, values, self.buf_k, self.buf_v, self.buf_meta, self.buf_len, self.tokens_seen,
+                                 self.column, cls, self.overflow, self.nonfinite, ring=query_ring)
         if flush:
             self._flush_full_rows()
-        return result
+        return positions
 
     def _flush_full_rows(self) -> None:
         """Rows whose buffer holds ``residual + group_size`` tokens move their oldest group to

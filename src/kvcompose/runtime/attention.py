@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from ..ops.paged_attention import paged_decode_attention
 
 
-def paged_attention(layer, query, positions, scaling, rotate_out=None):
-    """The fused decode attention over the store's blocks and buffer (no dense view); ``rotate_out``
-    turns a rotated store's output back (in the kernels' merge where it can)."""
+def paged_attention(layer, query, positions, scaling):
+    """The fused decode attention over the store's blocks and buffer (no dense view)."""
     evictor = layer.cache.policy.evictor
     backend = layer.cache.attention_backend
     heads = layer.cache.heads
@@ -24,15 +23,14 @@ def paged_attention(layer, query, positions, scaling, rotate_out=None):
         sources, channels = layer.store.attention_sources_with(evictor.mass_channel)
         weight = (positions[:, -1] >= 0).float()  # padding queries add nothing
         before = [c.clone() for c in channels] if heads.sharded else []
-        out = paged_decode_attention(query, sources, scaling, mass=(channels, weight), backend=backend,
-                                     rotate_out=rotate_out)
+        out = paged_decode_attention(query, sources, scaling, mass=(channels, weight), backend=backend)
         for channel, old in zip(channels, before):  # this rank's heads' mean -> the mean over every rank's
             channel.copy_(old + over_ranks(heads, channel - old))
         return out
     sources = layer.store.attention_sources()
     if evictor is None or not evictor.needs_probs:
-        return paged_decode_attention(query, sources, scaling, backend=backend, rotate_out=rotate_out)
-    out, probs = paged_decode_attention(query, sources, scaling, probs=True, backend=backend, rotate_out=rotate_out)
+        return paged_decode_attention(query, sources, scaling, backend=backend)
+    out, probs = paged_decode_attention(query, sources, scaling, probs=True, backend=backend)
     probs = probs[:, :, None, :] * (positions >= 0)[:, None, :, None]  # padding queries receive nothing
     _, valid, _ = layer.store.slot_state()
     for name, d in (evictor.observe(probs, valid) or {}).items():

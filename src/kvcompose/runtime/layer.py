@@ -47,27 +47,22 @@ class LayerRuntime:
         """
         self._check_continues(columns, key.shape[2])
         rotation = self._rotation(key)
-        plan = self.cache.step_plan
-        in_append = None  # a static step's append rotates the query, keys and values in its own launch
         if rotation is not None:  # stored, scored and attended rotated; the output is turned back
             forward, back, gain = rotation
-            if plan is not None and query.shape[2] == 1:
-                in_append = forward
-            else:
-                query, key, value = _rotated([query, key, value], forward)
+            query, key, value = _rotated([query, key, value], forward)
             scaling = scaling / gain  # (q S)(k S)^T = gain q k^T
         self.scaling = scaling
+        plan = self.cache.step_plan
         if plan is None:
             positions = self._append_eager(query, key, value, real)
         else:
-            positions, query = self._append_static(query, key, value, real, plan, in_append)
+            positions = self._append_static(query, key, value, real, plan)
         if plan is None or plan.flush or plan.eager:  # a static step changes memory only when it flushes
             self.cache.note_memory(self.layer_idx)
         fused = self.cache.fused_attention and query.shape[2] == 1 and not self.cache.observers
         view = None if fused else self.store.view()
-        back = rotation[1] if rotation is not None else None
         with self.cache.timer.phase("attention"):
-            out = paged_attention(self, query, positions, scaling, back) if fused else \
+            out = paged_attention(self, query, positions, scaling) if fused else \
                 dense_attention(self, query, view, positions, scaling)
         in_place = plan is not None and self.cache.policy.evicts_in_place  # evicts inside every static step
         if in_place:
@@ -76,7 +71,7 @@ class LayerRuntime:
             self._scheduled_work(plan, query, view, scaling)
         else:
             self._after_eager_step(query, view, positions, scaling, evict=not in_place)
-        if rotation is not None and not fused:  # the fused attention turned its output back itself
+        if rotation is not None:
             out = _rotated([out], back)[0]
         return out.transpose(1, 2).contiguous()
 
@@ -117,19 +112,15 @@ class LayerRuntime:
         self._record_queries(query, positions, policy.query_window)
         return positions
 
-    def _append_static(self, query, key, value, real, plan, rotation=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append one decode step's token per row in place (fixed shapes, no host synchronization);
-        returns the positions and the query, rotated by ``rotation`` with the keys and values."""
+    def _append_static(self, query, key, value, real, plan) -> torch.Tensor:
+        """Append one decode step's token per row in place (fixed shapes, no host synchronization)."""
         if real is not None or query.shape[2] != 1:
             raise ValueError("static decode appends one real token per row and takes no attention mask")
         cache = self.cache
         if self.layer_idx == 0:
             cache.counters.begin_forward_on_device()
         ring = (query, self.queries, self.query_positions) if cache.policy.query_window > 0 else None
-        classes = cache.thoughts.step_classes(self.layer_idx)
-        if rotation is None:
-            return self.store.append_step(key, value, classes, plan.flush, ring), query
-        return self.store.append_step(key, value, classes, plan.flush, ring, rotation=rotation, query=query)
+        return self.store.append_step(key, value, cache.thoughts.step_classes(self.layer_idx), plan.flush, ring)
 
     def _scheduled_work(self, plan, query, view, scaling: float) -> None:
         """What the schedule says a captured static step does after attending: refresh the

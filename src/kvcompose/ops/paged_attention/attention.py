@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...rotations.base import SignedProduct, rotate
 from ..dispatch import step_kernel_runs
-from ..rotate_rows import MATRIX_BYTES
 from .formats import PagedSource
 from .kernels import _paged_partial_kernel
 from .launch import kernel_fits, paged_decode_triton
@@ -15,7 +13,7 @@ from .reference import paged_decode_attention_torch
 
 
 def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scaling: float, *,
-                           probs: bool = False, mass=None, backend: str | None = None, rotate_out=None):
+                           probs: bool = False, mass=None, backend: str | None = None):
     """Attention of one decode step over paged sources: ``[B, Hq, 1, D]`` in the query dtype.
 
     With ``probs=True`` also returns the attention probabilities ``[B, Hq, L]`` over the
@@ -36,15 +34,8 @@ def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scal
     store on CPU) where it has one in the query dtype, instead of decoding every slot of the
     source again at every step: the copy holds the reference's own decoded values, so the
     output is the same bit for bit. The kernel always decodes the codes where they lie.
-
-    ``rotate_out``: each output row times its KV head's matrix (what
-    :func:`~kvcompose.rotations.rotate` takes): how a rotated store's output is turned back. The
-    kernels' merge applies a :class:`~kvcompose.rotations.SignedProduct` (Hadamard) as it writes
-    the row, with no launch of its own; other matrices, and the torch path, rotate afterwards.
     """
     check_sources(query, sources)
-    if rotate_out is not None:
-        check_rotation(query, sources, rotate_out)
     if mass is not None:
         check_mass(query, sources, mass)
     if backend not in (None, "triton", "cuda", "torch"):
@@ -55,40 +46,9 @@ def paged_decode_attention(query: torch.Tensor, sources: list[PagedSource], scal
     fits = kernels is not None or kernel_fits(query, sources)
     if not step_kernel_runs(query, _paged_partial_kernel, kernels, fits):
         sources = [s.with_decoded(query.dtype) for s in sources]
-        result = paged_decode_attention_torch(query, sources, scaling, return_probs=probs, mass=mass)
-        return _turned(result, rotate_out, probs)
+        return paged_decode_attention_torch(query, sources, scaling, return_probs=probs, mass=mass)
     native = {None: "auto", "cuda": "cuda", "triton": "off"}[backend]
-    merged = rotate_out if merge_rotates(query, rotate_out) else None
-    result = paged_decode_triton(query, sources, scaling, probs, mass, native=native, rotate_out=merged)
-    return result if merged is not None else _turned(result, rotate_out, probs)
-
-
-def merge_rotates(query: torch.Tensor, rotate_out) -> bool:
-    """Whether the merge kernel applies ``rotate_out``: a signed shared matrix of at most
-    :data:`~kvcompose.ops.rotate_rows.MATRIX_BYTES` in the query dtype (the kernel's whole-row
-    product holds it)."""
-    size = query.shape[-1] ** 2 * (4 if query.dtype == torch.float32 else 2)
-    return isinstance(rotate_out, SignedProduct) and size <= MATRIX_BYTES
-
-
-def _turned(result, rotate_out, probs: bool):
-    """The attention output (first of ``(out, probs)``) times ``rotate_out``, where given."""
-    if rotate_out is None:
-        return result
-    if probs:
-        return rotate(result[0], rotate_out), result[1]
-    return rotate(result, rotate_out)
-
-
-def check_rotation(query: torch.Tensor, sources: list[PagedSource], rotate_out) -> None:
-    """``rotate_out`` has one matrix per KV head of the head dim."""
-    B, Hq, _, D = query.shape
-    H = sources[0].key.codes.shape[1] if sources else None
-    heads, dim = ((rotate_out.signs.shape[0], rotate_out.matrix.shape[-1]) if isinstance(rotate_out, SignedProduct)
-                  else (rotate_out.shape[0], rotate_out.shape[-1]))
-    if dim != D or (H is not None and heads != H) or Hq % heads:
-        raise ValueError(f"rotate_out holds {heads} matrices of dim {dim}; the output needs one per KV head "
-                         f"({H if H is not None else 'a divisor of ' + str(Hq)}) of dim {D}")
+    return paged_decode_triton(query, sources, scaling, probs, mass, native=native)
 
 
 def require_native(query: torch.Tensor) -> None:

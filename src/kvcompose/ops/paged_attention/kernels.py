@@ -20,7 +20,6 @@ the probabilities in fp16; the per-(row, head) scale multiplies the dot products
 from __future__ import annotations
 
 from ..layout import store_out_tl
-from ..rotate_rows import signed_product_tl
 from ..triton_shim import jit, tl
 from .decode import _decode_parts, _fp16, _head_scale, _kivi_key_scores, _operand
 
@@ -206,29 +205,22 @@ def _source_partial(
 
 
 @jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, sign_ptr, m_ptr, D: tl.constexpr, SP: tl.constexpr,
-                  DP: tl.constexpr, OUT: tl.constexpr, CHUNK: tl.constexpr, ROT: tl.constexpr, HQ: tl.constexpr,
-                  G: tl.constexpr, SIGNS_FIRST: tl.constexpr, LOW: tl.constexpr):
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, D: tl.constexpr, SP: tl.constexpr,
+                  DP: tl.constexpr, OUT: tl.constexpr, CHUNK: tl.constexpr):
     """Combine the ``S`` partial results of one (row, query head) (see :func:`_merge_row`), for
     the ``DP`` output channels from ``program_id(1) * DP`` on. Slicing the channels over
-    programs keeps the GPU busy when there are few rows and many splits (batch 1, long rows);
-    a rotated output (``ROT``) needs whole rows. Query head ``q`` belongs to KV head ``q // G``."""
-    qrow = tl.program_id(0).to(tl.int64)
-    _merge_row(part_ptr, lse_ptr, out_ptr, final_lse_ptr, qrow, S, tl.program_id(1) * DP, D, SP, DP, OUT, CHUNK,
-               ROT, sign_ptr, m_ptr, (qrow % HQ) // G, SIGNS_FIRST, LOW)
+    programs keeps the GPU busy when there are few rows and many splits (batch 1, long rows)."""
+    _merge_row(part_ptr, lse_ptr, out_ptr, final_lse_ptr, tl.program_id(0).to(tl.int64), S, tl.program_id(1) * DP,
+               D, SP, DP, OUT, CHUNK)
 
 
 @jit
 def _merge_row(part_ptr, lse_ptr, out_ptr, final_lse_ptr, qrow, S, first, D: tl.constexpr, SP: tl.constexpr,
-               DP: tl.constexpr, OUT: tl.constexpr, CHUNK: tl.constexpr, ROT: tl.constexpr, sign_ptr, m_ptr, head,
-               SIGNS_FIRST: tl.constexpr, LOW: tl.constexpr):
+               DP: tl.constexpr, OUT: tl.constexpr, CHUNK: tl.constexpr):
     """Combine the ``S`` partial results of query row ``qrow`` by their log2-sum-exp, for the
     ``DP`` output channels from ``first`` on: the weights from all ``S`` log-sum-exps at once,
     the outputs ``CHUNK`` splits at a time (a ``[S, D]`` tile in registers spilled from 64
-    splits on); the row's merged log2-sum-exp is written by its first slice. ``ROT`` (whole
-    rows only): the merged row times KV head ``head``'s signed matrix
-    (:func:`~kvcompose.ops.rotate_rows.signed_product_tl`), which turns a rotated attention
-    output back without a launch of its own."""
+    splits on); the row's merged log2-sum-exp is written by its first slice."""
     s = tl.arange(0, SP)
     lse = tl.load(lse_ptr + qrow * S + s, mask=s < S, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -243,23 +235,16 @@ def _merge_row(part_ptr, lse_ptr, out_ptr, final_lse_ptr, qrow, S, first, D: tl.
         o = tl.load(part_ptr + (qrow * S + s0 + c[:, None]) * D + d[None, :], mask=inside[:, None] & (d[None, :] < D),
                     other=0.0)
         acc += tl.sum(o * w[:, None], 0)
-    out = acc / tl.maximum(total, 1e-30)
-    if ROT:  # as a [16, D] tile whose first row is the output: the dot's smallest shape
-        rows = tl.where(tl.arange(0, 16)[:, None] == 0, out[None, :], 0.0)
-        signs = tl.load(sign_ptr + head * D + d).to(tl.float32)
-        out = tl.sum(signed_product_tl(rows, signs[None, :], tl.load(m_ptr + d[:, None] * D + d[None, :]),
-                                       SIGNS_FIRST, LOW), 0)
-    store_out_tl(out_ptr + qrow * D + d, out, d < D, OUT)
+    store_out_tl(out_ptr + qrow * D + d, acc / tl.maximum(total, 1e-30), d < D, OUT)
     tl.store(final_lse_ptr + qrow, tl.where(total > 0, m_safe + tl.log2(tl.maximum(total, 1e-30)), float("-inf")),
              mask=first == 0)
 
 
 @jit
-def _rider_merge_kernel(q_ptr, part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, qk_scale, sources, sign_ptr, m_ptr,
+def _rider_merge_kernel(q_ptr, part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, qk_scale, sources,
                         CONSTS: tl.constexpr, NSRC: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
                         GP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, PREC: tl.constexpr,
-                        OUT: tl.constexpr, NATIVE: tl.constexpr, CHUNK: tl.constexpr, ROT: tl.constexpr,
-                        SIGNS_FIRST: tl.constexpr, LOW: tl.constexpr):
+                        OUT: tl.constexpr, NATIVE: tl.constexpr, CHUNK: tl.constexpr):
     """One query head ``program_id(1)`` of one (row, KV head) ``program_id(0)``: the partial
     attention of the short sources (the recent buffer), written where the merge reads it, then
     the merge of all ``S`` partial results of that query head, as :func:`_merge_kernel` merges
@@ -284,8 +269,7 @@ def _rider_merge_kernel(q_ptr, part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, qk_
     tl.debug_barrier()  # the partials this program wrote, visible to all its threads
     pid = tl.program_id(0)
     qrow = ((pid // H) * (H * G) + (pid % H) * G + tl.program_id(1)).to(tl.int64)
-    _merge_row(part_ptr, lse_ptr, out_ptr, final_lse_ptr, qrow, S, 0, D, SP, D, OUT, CHUNK, ROT, sign_ptr, m_ptr,
-               pid % H, SIGNS_FIRST, LOW)
+    _merge_row(part_ptr, lse_ptr, out_ptr, final_lse_ptr, qrow, S, 0, D, SP, D, OUT, CHUNK)
 
 
 @jit

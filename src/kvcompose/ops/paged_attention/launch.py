@@ -42,7 +42,6 @@ MERGE_CHUNK = 16  # partial results the merge combines per step
 MERGE_ROWS = 256  # below this many (row, query head) pairs the merge slices the channels:
 MERGE_SLICE = 32  # this many per program. H200, 1 x 32K (32 pairs of 128 splits): 6-10% off the
 MERGE_WARPS = 1  # whole op; 64 x 4K: 1-2% slower sliced, so large batches merge whole rows.
-ROTATED_MERGE_WARPS = 4  # a merge that also turns its row back holds a [16, D] product tile
 WARPS = 2  # of the attention-mass kernel (the merge's: MERGE_WARPS)
 STAGES = 3  # software-pipelining depth of the partial kernel's loads (Triton's default)
 MAX_REGISTERS = None  # registers per thread of the partial kernel (None: the compiler's choice)
@@ -110,13 +109,11 @@ def kernel_fits(query: torch.Tensor, sources: list[PagedSource]) -> bool:
     return D == next_pow2(D) and D // per >= 16
 
 
-def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str = "auto", rotate_out=None):
+def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str = "auto"):
     """:func:`~kvcompose.ops.paged_attention.paged_decode_attention` through the kernels (inputs checked):
     one partial launch for all sources, one merge, and one mass launch per source with ``mass``.
     Each source the CUDA kernel takes (:mod:`.native`; ``native``: see :func:`_native_plans`)
-    gets a launch of its own instead, where that kernel is built; both write into the one merge.
-    ``rotate_out``: a :class:`~kvcompose.rotations.SignedProduct` the merge applies to each
-    output row (see :func:`merge_rotation`)."""
+    gets a launch of its own instead, where that kernel is built; both write into the one merge."""
     B, Hq, _, D = query.shape
     if not interpreted(_paged_partial_kernel) and not kernel_fits(query, sources):
         raise ValueError(f"the paged attention kernel needs a power-of-two head dim with >= 16 channels per code "
@@ -134,8 +131,7 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str =
     scores = probs or mass is not None
     built, native_plans, first = _native_plans(q, sources, scores, native)
     rest = [s for i, s in enumerate(sources) if i not in native_plans]
-    width = D if rotate_out is not None else merge_width(B * Hq, D, device)  # a rotation needs whole rows
-    in_merge = merge_riders(rest, first, scores) if width == next_pow2(D) else []
+    in_merge = merge_riders(rest, first, scores) if merge_width(B * Hq, D, device) == next_pow2(D) else []
     riders = [s for i, s in enumerate(rest) if i in in_merge]
     rest = [s for i, s in enumerate(rest) if i not in in_merge]
     if rest:
@@ -151,7 +147,6 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str =
         _paged_partial_kernel[(B * H, programs)](q, part, lse, logits, total, cols, scaling * LOG2E, tuples, **kwargs)
     out, dst, kind = out_buffer((B, Hq, 1, D), query.dtype, device)
     final = torch.empty(B, Hq, dtype=torch.float32, device=device)
-    rotation = merge_rotation(rotate_out, q, kind)
     if riders:
         args, consts = _partial_launch(q, riders, False)
         no_extent = device_constant((0,), device, torch.int64)  # never read (EXTENT off)
@@ -159,13 +154,12 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str =
                             no_extent if src.extent is None else src.extent)
                        for i, (a, src) in enumerate(zip(args, riders)))
         _rider_merge_kernel[(B * H, Hq // H)](q, part, lse, dst, final, total, scaling * LOG2E, tuples,
-                                              *rotation[0], SP=next_pow2(total), CHUNK=MERGE_CHUNK,
-                                              num_warps=TILE_SHAPE[1], **rotation[1],
-                                              **{k: consts[k] for k in RIDER_MERGE_CONSTS})
+                                      SP=next_pow2(total), CHUNK=MERGE_CHUNK, num_warps=TILE_SHAPE[1],
+                                      **{k: consts[k] for k in RIDER_MERGE_CONSTS})
     else:
-        _merge_kernel[(B * Hq, cdiv(D, width))](part, lse, dst, final, total, *rotation[0], D=D, SP=next_pow2(total),
-                                                DP=width, OUT=kind, CHUNK=MERGE_CHUNK, HQ=Hq, G=Hq // H, **rotation[1],
-                                                num_warps=MERGE_WARPS if rotate_out is None else ROTATED_MERGE_WARPS)
+        width = merge_width(B * Hq, D, device)
+        _merge_kernel[(B * Hq, cdiv(D, width))](part, lse, dst, final, total, D=D, SP=next_pow2(total), DP=width,
+                                                OUT=kind, CHUNK=MERGE_CHUNK, num_warps=MERGE_WARPS)
     if mass is not None:
         weight = mass[1].float().contiguous()
         col0 = 0
@@ -258,18 +252,6 @@ def _plan_launch(q: torch.Tensor, sources: list[PagedSource], args: list[tuple],
     extents = [no_extent if s.extent is None else s.extent for s in sources]
     tuples = tuple(args[i] + fields[i] + (first_cols[i], extents[i]) for i in range(len(sources)))
     return programs, tuples, kwargs, max(1, partials - first)
-
-
-def merge_rotation(rotate_out, q: torch.Tensor, kind: int) -> tuple[tuple, dict]:
-    """The merge kernels' rotation pointers and constants: ``rotate_out``'s signs and shared matrix
-    in the output dtype (exact: ``±1`` or ``±1/D``), the product on the tensor cores for a 16-bit
-    output (as :func:`~kvcompose.ops.rotate_rows.rotate_rows` computes it); none without one."""
-    if rotate_out is None:
-        return (q, q), dict(ROT=False, SIGNS_FIRST=False, LOW=False)
-    dtype = q.dtype
-    signs, matrix = rotate_out.signs.to(dtype).contiguous(), rotate_out.matrix.to(dtype).contiguous()
-    return (signs, matrix), dict(ROT=True, SIGNS_FIRST=rotate_out.signs_first,
-                                 LOW=kind != 0 and not interpreted(_merge_kernel))
 
 
 def query_rows(group: int, dense: bool) -> int:
