@@ -107,3 +107,27 @@ print(f"compiled {{count}} kernels")
 def test_append_token_kernel_compiles_for_hopper():
     out = compiled("-c", APPEND_COMPILE.format(bench=str(SCRIPT.parent)))
     assert "compiled 6 kernels" in out, out
+
+
+KMEANS_COMPILE = """
+import sys
+sys.path.insert(0, {bench!r})
+from kernel_sass import compile_for_hopper
+from kvcompose.ops import kmeans as km
+
+count = 0
+for given in (False, True):  # the Gram formed from the keys, or read (summed over tensor-parallel ranks)
+    sig = {{"x_ptr": "*bf16", "start_ptr": "*i64", "live_ptr": "*i1", "k_ptr": "*i32", "gram_ptr": "*fp32",
+            "w_ptr": "*fp32", "keep_ptr": "*i8", "N": "i32", "F": "i32", "FD": "i32", "ITERS": "i32",
+            "sxh": "i32", "sxf": "i32", "svs": "i32", "svn": "i32"}}
+    consts = dict(NP=128, KP=64, BF=km.BLOCK_F, BI=km.BLOCK_I, TIE_REL=km.TIE_REL, NATIVE_DOT=True, GRAM_GIVEN=given)
+    compile_for_hopper(km._kmeans_kernel, sig, consts, 8)
+    count += 1
+print(f"compiled {{count}} kernels")
+"""
+
+
+@hopper
+def test_kmeans_kernel_compiles_for_hopper():
+    out = compiled("-c", KMEANS_COMPILE.format(bench=str(SCRIPT.parent)))
+    assert "compiled 2 kernels" in out, out

@@ -138,6 +138,36 @@ def test_slots_read_in_place_equal_the_gathered_segments(backend):
         kmeans_select(gathered, valid, k, slots=slots)
 
 
+class OtherRank:
+    """Tensor parallelism as one rank sees it: its sums over heads gain the other rank's part."""
+
+    sharded = True
+
+    def __init__(self, other):
+        self.other = other
+
+    def all_sum(self, x):
+        return x + self.other
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_clusters_on_the_gram_of_every_ranks_heads(backend):
+    """Under tensor parallelism each rank holds half of the heads; with the other half's Gram
+    added by the all-reduce, both paths keep the tokens one process keeps with every head (the
+    kernel reads the summed Gram instead of forming its own)."""
+    keys, valid, _ = random_segments(5, 29, 48, seed=4)
+    valid[4] = False
+    k = torch.tensor([3, 7, 0, 12, 2])
+    mine, theirs = keys[..., :24], torch.where(valid[..., None], keys[..., 24:], 0.0)
+    whole = kmeans_select(keys, valid, k, iters=4, backend=backend, max_k=12)
+    half = kmeans_select(mine, valid, k, iters=4, backend=backend, max_k=12,
+                         heads=OtherRank(theirs @ theirs.transpose(1, 2)))
+    assert torch.equal(half, whole)
+    check_counts(half, valid, k)
+    alone = kmeans_select(mine, valid, k, iters=4, backend=backend, max_k=12)
+    assert not torch.equal(alone, whole)  # half of the heads alone choose otherwise
+
+
 def test_reference_entry_point_and_zero_iterations_keep_the_first_live_token():
     keys, valid, _ = random_segments(6, 25, 10, seed=6)
     keep = kmeans_select_reference(keys, valid, 1, iters=0)

@@ -139,6 +139,38 @@ def test_group_size_argument_and_reference_signature():
         attention_sparsity(q, k, valid, 0.3, group_size=3)
 
 
+class Recorded:
+    """One rank of two: what its mean over heads receives is kept (``seen``), and with the other
+    rank's (``other``) the mean covers the heads of both."""
+
+    sharded = True
+
+    def __init__(self, other=None):
+        self.other, self.seen = other, []
+
+    def mean(self, x, dim=1):
+        self.seen.append(x)
+        return x.mean(dim) if self.other is None else torch.cat([x, self.other.seen.pop(0)], dim).mean(dim)
+
+
+@pytest.mark.parametrize("combine", COMBINE_MODES)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_two_ranks_combine_the_heads_of_both(combine, backend):
+    """Each rank holds two of the four KV heads: with the all-reduced mean over heads, the
+    fraction equals one process's over all four (the kernels pool, the ranks combine)."""
+    q, k, valid = make_inputs(3, 8, 4, BLOCK_L + 21, 16, seed=5)
+    scaling = 16 ** -0.5
+    whole = attention_sparsity(q, k, valid, scaling, backend="torch", combine=combine)
+    second = Recorded()
+    attention_sparsity(q[:, 4:], k[:, 2:], valid, scaling, backend=backend, combine=combine, heads=second)
+    first = Recorded(other=second)
+    got = attention_sparsity(q[:, :4], k[:, :2], valid, scaling, backend=backend, combine=combine, heads=first)
+    assert len(first.seen) == 1  # one reduction
+    torch.testing.assert_close(got, whole, atol=1.0 / valid.shape[1], rtol=0)
+    alone = attention_sparsity(q[:, :4], k[:, :2], valid, scaling, backend=backend, combine=combine)
+    assert not torch.allclose(alone, whole)  # half of the heads alone measure otherwise
+
+
 def test_nonfinite_inputs_name_the_tensor():
     q, k, valid = make_inputs(2, 4, 2, 20, 8)
     bad_q = q.clone()

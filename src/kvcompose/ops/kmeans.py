@@ -108,8 +108,9 @@ def kmeans_select(
             no gathered copy (an evictor's segments of a whole batch would be one the size
             of the layer). A segment with ``k = 0`` costs the kernel almost nothing.
         heads: the tensor-parallel ranks that hold the other KV heads of these keys; when
-            there are several, the Gram matrix is summed over them (one all-reduce, torch
-            path), so every rank clusters on the keys of all heads and keeps the same tokens.
+            there are several, the Gram matrix is summed over them (one all-reduce of each
+            segment's ``[N, N]`` Gram, which the kernel then reads instead of forming its own),
+            so every rank clusters on the keys of all heads and keeps the same tokens.
 
     Returns:
         ``[S, N]`` bool keep mask on ``keys.device``.
@@ -117,9 +118,9 @@ def kmeans_select(
     (k_eff, given), bound = _prepare(keys, valid, k, iters, max_k, slots)
     if validate:
         _check_values(_gathered(keys, slots), valid, given, max_k)
-    if heads.sharded or not _use_triton(valid, backend):
+    if not _use_triton(valid, backend):
         return _reference(_gathered(keys, slots), valid, k_eff, iters, bound, heads)[0]
-    return _kmeans_triton(keys, valid, k_eff, iters, bound, slots)
+    return _kmeans_triton(keys, valid, k_eff, iters, bound, slots, heads)
 
 
 def kmeans_select_reference(
@@ -310,10 +311,10 @@ def _reference(keys, valid, k_eff, iters, bound, heads: HeadShards = LOCAL):
 # Triton path
 
 
-def _kmeans_triton(keys, valid, k_eff, iters, bound, slots):
+def _kmeans_triton(keys, valid, k_eff, iters, bound, slots, heads: HeadShards = LOCAL):
     s, n, f = valid.shape[0], valid.shape[1], _segment_shape(keys, valid, slots)[2]
     keep = torch.zeros(s, n, dtype=torch.int8, device=keys.device)
-    if s == 0 or n == 0:
+    if s == 0 or n == 0:  # every rank has the same segments: none of them reduces
         return keep.bool()
     np_, kp = _pow2(n), _pow2(bound)
     live = valid  # bool: the kernel reads it as bytes
@@ -328,7 +329,9 @@ def _kmeans_triton(keys, valid, k_eff, iters, bound, slots):
         token_start = rows[:, None] * keys.stride(0) + cols * keys.stride(2)
         fd, head_stride, feature_stride = keys.shape[3], keys.stride(1), keys.stride(3)
     # Per segment: the Gram matrix (later the [K, N] distances; NP >= KP) and the token weights.
-    scratch = torch.empty(s, np_, np_, dtype=torch.float32, device=keys.device)
+    # Under tensor parallelism the Gram of every rank's heads comes in: this rank's, all-reduced.
+    scratch = _sharded_gram(keys, valid, slots, np_, heads) if heads.sharded else \
+        torch.empty(s, np_, np_, dtype=torch.float32, device=keys.device)
     weights = torch.empty(s, np_, kp, dtype=torch.float32, device=keys.device)
     # Half-precision keys on GPU: tensor-core Gram (products are exact in fp32, sums in fp32).
     native = keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16)
@@ -337,9 +340,21 @@ def _kmeans_triton(keys, valid, k_eff, iters, bound, slots):
         n, f, fd, iters,
         head_stride, feature_stride, live.stride(0), live.stride(1),
         NP=np_, KP=kp, BF=BLOCK_F, BI=min(BLOCK_I, np_), TIE_REL=TIE_REL, NATIVE_DOT=native,
-        num_warps=8, **LAUNCH_OPTS,
+        GRAM_GIVEN=heads.sharded, num_warps=8, **LAUNCH_OPTS,
     )
     return keep.bool()
+
+
+def _sharded_gram(keys, valid, slots, np_: int, heads: HeadShards) -> torch.Tensor:
+    """``[S, NP, NP]``: each segment's Gram matrix of its live tokens' keys over every rank's heads
+    (this rank's in fp32, summed by one all-reduce), zero outside the live tokens, as the kernel
+    forms it from one rank's keys."""
+    x = _gathered(keys, slots)
+    x = torch.where(valid[..., None], x.to(torch.float32), torch.zeros((), device=x.device))
+    s, n = valid.shape
+    gram = torch.zeros(s, np_, np_, dtype=torch.float32, device=x.device)
+    gram[:, :n, :n] = heads.all_sum(x @ x.transpose(1, 2))
+    return gram
 
 
 if triton is not None:
@@ -350,9 +365,11 @@ if triton is not None:
         N, F, FD, ITERS,
         sxh, sxf, svs, svn,
         NP: tl.constexpr, KP: tl.constexpr, BF: tl.constexpr, BI: tl.constexpr,
-        TIE_REL: tl.constexpr, NATIVE_DOT: tl.constexpr,
+        TIE_REL: tl.constexpr, NATIVE_DOT: tl.constexpr, GRAM_GIVEN: tl.constexpr,
     ):
         """One segment: Gram matrix, farthest-first seeds, ITERS Lloyd rounds, greedy selection.
+        ``GRAM_GIVEN``: the scratch already holds the Gram matrix (every tensor-parallel rank's
+        heads), and the keys are not read.
 
         Token ``i``'s feature ``f`` lies at ``start[s, i] + (f // FD) * sxh + (f % FD) * sxf``.
         A segment with ``K = 0`` skips the work (its loops run zero times). Helpers are
@@ -374,18 +391,19 @@ if triton is not None:
         w_base = w_ptr + s * NP * KP
 
         # 1. Gram matrix of the live keys (the only pass over them), kept in scratch.
-        gram = tl.zeros([NP, NP], tl.float32)
-        for f0 in range(0, tl.where(on, F, 0), BF):
-            f = f0 + fo
-            f_at = (f // FD) * sxh + (f % FD) * sxf
-            xt = tl.load(x_rows + f_at[None, :], mask=live[:, None] & (f < F)[None, :], other=0.0)
-            if NATIVE_DOT:
-                gram += tl.dot(xt, tl.trans(xt))
-            else:
-                xt = xt.to(tl.float32)
-                gram += tl.dot(xt, tl.trans(xt), input_precision="ieee")
-        tl.store(g_base + tok[:, None] * NP + tok[None, :], gram, mask=on_tok[:, None] & on_tok[None, :])
-        tl.debug_barrier()
+        if not GRAM_GIVEN:
+            gram = tl.zeros([NP, NP], tl.float32)
+            for f0 in range(0, tl.where(on, F, 0), BF):
+                f = f0 + fo
+                f_at = (f // FD) * sxh + (f % FD) * sxf
+                xt = tl.load(x_rows + f_at[None, :], mask=live[:, None] & (f < F)[None, :], other=0.0)
+                if NATIVE_DOT:
+                    gram += tl.dot(xt, tl.trans(xt))
+                else:
+                    xt = xt.to(tl.float32)
+                    gram += tl.dot(xt, tl.trans(xt), input_precision="ieee")
+            tl.store(g_base + tok[:, None] * NP + tok[None, :], gram, mask=on_tok[:, None] & on_tok[None, :])
+            tl.debug_barrier()
 
         # Farthest-first seeds from the Gram columns.
         sq = tl.load(g_base + tok * NP + tok, mask=on_tok, other=0.0)

@@ -99,7 +99,8 @@ def attention_sparsity(
         validate: check for NaN/inf in ``query`` and in the live slots of ``keys``; this
             costs one device-to-host sync. Hot paths that trust their inputs pass False.
         heads: the tensor-parallel ranks that hold the layer's other KV heads; when there are
-            several, KV groups combine over all of them (the torch path, with one all-reduce).
+            several, KV groups combine over all of them: the kernels pool this rank's heads, and
+            one all-reduce of the pooled rows (or of the per-head fractions) combines the ranks.
 
     Returns:
         ``[B]`` float32 sparsity in ``[0, 1]`` on the inputs' device.
@@ -107,9 +108,9 @@ def attention_sparsity(
     b, hq, hkv, length, d = _check_inputs(query, keys, valid, scaling, group_size, threshold, combine)
     if validate:
         _check_finite(query, keys, valid)
-    if heads.sharded or not _use_triton(keys, backend):
+    if not _use_triton(keys, backend):
         return attention_sparsity_reference(query, keys, valid, scaling, hq // hkv, threshold, combine, heads)
-    return _sparsity_triton(query, keys, valid, float(scaling), hq // hkv, float(threshold), combine)
+    return _sparsity_triton(query, keys, valid, float(scaling), hq // hkv, float(threshold), combine, heads)
 
 
 def attention_sparsity_reference(
@@ -237,7 +238,7 @@ def _pow2(n: int, floor: int = 1) -> int:
 # Triton path
 
 
-def _sparsity_triton(query, keys, valid, scaling, group, threshold, combine):
+def _sparsity_triton(query, keys, valid, scaling, group, threshold, combine, heads: HeadShards = LOCAL):
     b, hq, d = query.shape
     hkv, length = keys.shape[1], keys.shape[2]
     dev = keys.device
@@ -264,11 +265,26 @@ def _sparsity_triton(query, keys, valid, scaling, group, threshold, combine):
     _stats_kernel[grid](query, keys, live, part_m, part_l, length, chunk_len, scaling, *strides, **common)
     _group_kernel[grid](query, keys, live, part_m, part_l, part, pooled, length, chunk_len, scaling, threshold,
                         *strides, CP=cp, SCORES=scores, **common)
+    if heads.sharded:
+        return _combine_over_ranks(pooled, part, live, threshold, scores, heads)
     _combine_kernel[(b,)](
         pooled, part, live, out, length, chunks, threshold, live.stride(0), live.stride(1),
         H=hkv, HP=_pow2(hkv), CP=cp, BLOCK_L=COMBINE_BLOCK, SCORES=scores, num_warps=4,
     )
     return out
+
+
+def _combine_over_ranks(pooled, part, live, threshold: float, scores: bool, heads: HeadShards) -> torch.Tensor:
+    """What :func:`_combine_kernel` computes, over the KV heads of every tensor-parallel rank: the
+    renormalized pooled rows ``[B, H, L]`` (or the per-head below-threshold counts) averaged over
+    all heads by one all-reduce, then the fraction of live slots below the threshold."""
+    per_head = part.sum(dim=2)  # [B, H]: each head's pooled total, or its count below the threshold
+    n_live = live.sum(dim=1).to(torch.float32).clamp(min=1.0)
+    if not scores:
+        return heads.mean(per_head, dim=1) / n_live
+    avg = heads.mean(pooled / torch.where(per_head > 0, per_head, 1.0)[..., None], dim=1)  # [B, L]
+    below = (avg < threshold * avg.amax(dim=-1, keepdim=True)) & live.to(torch.bool)
+    return below.sum(dim=-1).to(torch.float32) / n_live
 
 
 def _split(rows: int, length: int, device: torch.device) -> tuple[int, int]:
