@@ -151,13 +151,13 @@ class OtherRank:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_rank_clusters_on_the_gram_of_every_ranks_heads(backend):
+def test_a_rank_clusters_on_the_gram_of_every_ranks_heads(backend, device="cpu"):
     """Under tensor parallelism each rank holds half of the heads; with the other half's Gram
     added by the all-reduce, both paths keep the tokens one process keeps with every head (the
     kernel reads the summed Gram instead of forming its own)."""
-    keys, valid, _ = random_segments(5, 29, 48, seed=4)
+    keys, valid, _ = random_segments(5, 29, 48, seed=4, device=device)
     valid[4] = False
-    k = torch.tensor([3, 7, 0, 12, 2])
+    k = torch.tensor([3, 7, 0, 12, 2], device=device)
     mine, theirs = keys[..., :24], torch.where(valid[..., None], keys[..., 24:], 0.0)
     whole = kmeans_select(keys, valid, k, iters=4, backend=backend, max_k=12)
     half = kmeans_select(mine, valid, k, iters=4, backend=backend, max_k=12,
@@ -166,6 +166,11 @@ def test_a_rank_clusters_on_the_gram_of_every_ranks_heads(backend):
     check_counts(half, valid, k)
     alone = kmeans_select(mine, valid, k, iters=4, backend=backend, max_k=12)
     assert not torch.equal(alone, whole)  # half of the heads alone choose otherwise
+
+
+@pytest.mark.gpu
+def test_gpu_rank_clusters_on_the_gram_of_every_ranks_heads():
+    test_a_rank_clusters_on_the_gram_of_every_ranks_heads("triton", device="cuda")
 
 
 def test_reference_entry_point_and_zero_iterations_keep_the_first_live_token():

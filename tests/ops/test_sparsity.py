@@ -155,10 +155,10 @@ class Recorded:
 
 @pytest.mark.parametrize("combine", COMBINE_MODES)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_two_ranks_combine_the_heads_of_both(combine, backend):
+def test_two_ranks_combine_the_heads_of_both(combine, backend, device="cpu"):
     """Each rank holds two of the four KV heads: with the all-reduced mean over heads, the
     fraction equals one process's over all four (the kernels pool, the ranks combine)."""
-    q, k, valid = make_inputs(3, 8, 4, BLOCK_L + 21, 16, seed=5)
+    q, k, valid = make_inputs(3, 8, 4, BLOCK_L + 21, 16, seed=5, device=device)
     scaling = 16 ** -0.5
     whole = attention_sparsity(q, k, valid, scaling, backend="torch", combine=combine)
     second = Recorded()
@@ -169,6 +169,12 @@ def test_two_ranks_combine_the_heads_of_both(combine, backend):
     torch.testing.assert_close(got, whole, atol=1.0 / valid.shape[1], rtol=0)
     alone = attention_sparsity(q[:, :4], k[:, :2], valid, scaling, backend=backend, combine=combine)
     assert not torch.allclose(alone, whole)  # half of the heads alone measure otherwise
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", COMBINE_MODES)
+def test_gpu_two_ranks_combine_the_heads_of_both(combine):
+    test_two_ranks_combine_the_heads_of_both(combine, "triton", device="cuda")
 
 
 def test_nonfinite_inputs_name_the_tensor():
