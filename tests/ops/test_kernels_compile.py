@@ -33,6 +33,26 @@ def compiled(*args: str) -> str:
     return done.stdout
 
 
+PREAMBLE = """
+import sys
+sys.path.insert(0, {bench!r})
+from kernel_sass import compile_for_hopper
+"""
+
+
+COMPILE_VARIANTS = """
+for fn, sig, consts, warps in variants:
+    compile_for_hopper(fn, sig, consts, warps)
+print(f"compiled {{len(variants)}} kernels")
+"""
+
+
+def compiles(body: str, kernels: int) -> None:
+    """Compile the ``variants`` that ``body`` lists, ``(kernel, signature, constexprs, warps)`` each."""
+    out = compiled("-c", (PREAMBLE + body + COMPILE_VARIANTS).format(bench=str(SCRIPT.parent)))
+    assert f"compiled {kernels} kernels" in out, out
+
+
 hopper = pytest.mark.skipif(not _can_compile_for_hopper(), reason="needs Triton with ASTSource and its bundled ptxas")
 
 
@@ -50,43 +70,33 @@ def test_attention_kernels_compile_for_hopper():
 
 
 REDUNDANCY_COMPILE = """
-import sys
-sys.path.insert(0, {bench!r})
-from kernel_sass import compile_for_hopper
 from kvcompose.ops import redundancy as r
 
 sig = {{"k_ptr": "*bf16", "r_ptr": "*fp32", "pos_ptr": "*i32", "row_sum_ptr": "*fp32", "col_ptr": "*i64",
         "sim_ptr": "*fp32", "L": "i32", "H": "i32", "tiles": "i32", "stride_kb": "i32", "stride_kh": "i32",
         "stride_kl": "i32", "threshold": "fp32"}}
-count = 0
-for keys, beta, prec in (("bf16", False, "tf32"), ("bf16", True, "tf32"), ("fp16", True, "tf32")):
-    consts = dict(D=128, DP=128, BM=r.BLOCK_ROWS, BN=r.BLOCK_COLS, BETA=beta, PREC=prec, NATIVE=True)
-    compile_for_hopper(r._redundancy_kernel, {{**sig, "k_ptr": "*" + keys}}, consts, r.WARPS)
-    count += 1
+variants = [(r._redundancy_kernel, {{**sig, "k_ptr": "*" + keys}},
+             dict(D=128, DP=128, BM=r.BLOCK_ROWS, BN=r.BLOCK_COLS, BETA=beta, PREC=prec, NATIVE=True), r.WARPS)
+            for keys, beta, prec in (("bf16", False, "tf32"), ("bf16", True, "tf32"), ("fp16", True, "tf32"))]
 # fp32 keys (an IEEE fp32 dot) on small tiles: at the launch tiles ptxas takes over half a minute.
-consts = dict(D=32, DP=32, BM=32, BN=16, BETA=True, PREC="ieee", NATIVE=True)
-compile_for_hopper(r._redundancy_kernel, {{**sig, "k_ptr": "*fp32"}}, consts, r.WARPS)
+variants.append((r._redundancy_kernel, {{**sig, "k_ptr": "*fp32"}},
+                 dict(D=32, DP=32, BM=32, BN=16, BETA=True, PREC="ieee", NATIVE=True), r.WARPS))
 # One candidate (the JIT makes an int argument equal to 1 a constant) and a padded head dim.
 one = {{n: t for n, t in sig.items() if n != "L"}}
-consts = dict(L=1, D=96, DP=128, BM=16, BN=16, BETA=True, PREC="tf32", NATIVE=True)
-compile_for_hopper(r._redundancy_kernel, {{**one, "L": "constexpr"}}, consts, r.WARPS)
-print(f"compiled {{count + 2}} kernels")
+variants.append((r._redundancy_kernel, {{**one, "L": "constexpr"}},
+                 dict(L=1, D=96, DP=128, BM=16, BN=16, BETA=True, PREC="tf32", NATIVE=True), r.WARPS))
 """
 
 
 @hopper
 def test_redundancy_kernel_compiles_for_hopper():
-    out = compiled("-c", REDUNDANCY_COMPILE.format(bench=str(SCRIPT.parent)))
-    assert "compiled 5 kernels" in out, out
+    compiles(REDUNDANCY_COMPILE, 5)
 
 
 APPEND_COMPILE = """
-import sys
-sys.path.insert(0, {bench!r})
-from kernel_sass import compile_for_hopper
 from kvcompose.ops import append_token as a
 
-count = 0
+variants = []
 for dtype in ("bf16", "fp16", "fp32"):
     for ring in (False, True):  # with the query ring of policies that score with recent queries
         sig = {{"k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "ksb": "i64", "ksh": "i64", "ksd": "i64", "vsb": "i64",
@@ -97,37 +107,27 @@ for dtype in ("bf16", "fp16", "fp32"):
                 "ring_q_ptr": "*" + dtype, "ring_pos_ptr": "*i64"}}
         consts = dict(CAP=144, H=8, D=128, HD_P=1024, ZERO=not ring, RING=ring, W=8 if ring else 1, HQ=32 if ring else 1,
                       QD_P=4096 if ring else 1)
-        compile_for_hopper(a._append_token_kernel, sig, consts, 4)
-        count += 1
-print(f"compiled {{count}} kernels")
+        variants.append((a._append_token_kernel, sig, consts, 4))
 """
 
 
 @hopper
 def test_append_token_kernel_compiles_for_hopper():
-    out = compiled("-c", APPEND_COMPILE.format(bench=str(SCRIPT.parent)))
-    assert "compiled 6 kernels" in out, out
+    compiles(APPEND_COMPILE, 6)
 
 
 KMEANS_COMPILE = """
-import sys
-sys.path.insert(0, {bench!r})
-from kernel_sass import compile_for_hopper
 from kvcompose.ops import kmeans as km
 
-count = 0
-for given in (False, True):  # the Gram formed from the keys, or read (summed over tensor-parallel ranks)
-    sig = {{"x_ptr": "*bf16", "start_ptr": "*i64", "live_ptr": "*i1", "k_ptr": "*i32", "gram_ptr": "*fp32",
-            "w_ptr": "*fp32", "keep_ptr": "*i8", "N": "i32", "F": "i32", "FD": "i32", "ITERS": "i32",
-            "sxh": "i32", "sxf": "i32", "svs": "i32", "svn": "i32"}}
-    consts = dict(NP=128, KP=64, BF=km.BLOCK_F, BI=km.BLOCK_I, TIE_REL=km.TIE_REL, NATIVE_DOT=True, GRAM_GIVEN=given)
-    compile_for_hopper(km._kmeans_kernel, sig, consts, 8)
-    count += 1
-print(f"compiled {{count}} kernels")
+sig = {{"x_ptr": "*bf16", "start_ptr": "*i64", "live_ptr": "*i1", "k_ptr": "*i32", "gram_ptr": "*fp32",
+        "w_ptr": "*fp32", "keep_ptr": "*i8", "N": "i32", "F": "i32", "FD": "i32", "ITERS": "i32",
+        "sxh": "i32", "sxf": "i32", "svs": "i32", "svn": "i32"}}
+# the Gram formed from the keys, or read (summed over tensor-parallel ranks)
+variants = [(km._kmeans_kernel, sig, dict(NP=128, KP=64, BF=km.BLOCK_F, BI=km.BLOCK_I, TIE_REL=km.TIE_REL,
+                                          NATIVE_DOT=True, GRAM_GIVEN=given), 8) for given in (False, True)]
 """
 
 
 @hopper
 def test_kmeans_kernel_compiles_for_hopper():
-    out = compiled("-c", KMEANS_COMPILE.format(bench=str(SCRIPT.parent)))
-    assert "compiled 2 kernels" in out, out
+    compiles(KMEANS_COMPILE, 2)
