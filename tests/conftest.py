@@ -60,6 +60,7 @@ def share_gguf_parses() -> None:
     gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     from kvcompose.ops.quant_fp8 import _fp8_quantize_kernel
     from kvcompose.ops.triton_shim import HAS_TRITON, interpreted

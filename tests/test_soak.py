@@ -126,6 +126,14 @@ def soak(preset: str, steps: int = STEPS) -> dict:
 
 
 # ------------------------------------------------------------------ the tests: read the record
+def test_the_soaks_share_one_worker(request):
+    """Under ``pytest -n --dist loadgroup`` this module's tests carry its xdist group, so one
+    worker runs each soak once (pytest 9 with pytest-xdist 3.8 dropped the group silently)."""
+    if request.config.getoption("loadgroup", default=False):
+        assert request.node.nodeid.endswith("@test_soak.py"), request.node.nodeid
+
+
+
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     """``record(preset)``: the soak of that preset, run once per test module in a child process."""
