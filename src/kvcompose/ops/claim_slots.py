@@ -84,9 +84,7 @@ def claim_slots_torch(table, length, num_blocks, valid, mask, trash: int, overfl
     """Reference of :func:`claim_slots` in torch ops."""
     bs, n = block_size, mask.shape[1]
     width = table.shape[1]
-    phys = slot_map(table, bs)
-    written = torch.arange(phys.shape[1], device=mask.device)[None, :] < length[:, None]
-    hole = written & ~valid[phys]
+    phys, hole = holes_in_rows(table, length, valid, bs)
     hole_rank = hole.cumsum(1) - 1
     into = torch.where(hole & (hole_rank < n), hole_rank, n)  # column n collects the rest
     holes = phys.new_zeros(phys.shape[0], n + 1).scatter_(1, into, phys)[:, :n]
@@ -100,6 +98,15 @@ def claim_slots_torch(table, length, num_blocks, valid, mask, trash: int, overfl
     length.copy_(end)
     num_blocks.copy_((end + bs - 1) // bs)
     return torch.where(mask, slot, trash).reshape(-1)
+
+
+def holes_in_rows(table: torch.Tensor, length: torch.Tensor, valid: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's pool slots in column order (:func:`slot_map`) and which of them are holes: empty
+    slots (``valid`` false) before the row's written ``length``; both ``[B, W * block_size]``."""
+    phys = slot_map(table, block_size)
+    written = torch.arange(phys.shape[1], device=table.device)[None, :] < length[:, None]
+    return phys, written & ~valid[phys]
 
 
 def slot_map(table: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.claim_slots import claim_slots, slot_map
+from ..ops.claim_slots import claim_slots, holes_in_rows, slot_map
 from .pool import BlockPool, empty_value
 
 
@@ -83,9 +83,8 @@ class Region:
 
     def _holes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty slots inside each row's written range: pool slots ``[B, n]`` (in block order) and counts ``[B]``."""
-        phys = slot_map(self.table if self.static else self.used_table(), self.pool.block_size)
-        written = torch.arange(phys.shape[1], device=self.device)[None, :] < self.length[:, None]
-        hole = written & ~self.pool.flat_slots(self.pool.meta)["valid"][phys]
+        phys, hole = holes_in_rows(self.table if self.static else self.used_table(), self.length,
+                                   self.pool.flat_slots(self.pool.meta)["valid"], self.pool.block_size)
         order = torch.argsort((~hole).to(torch.int8), dim=1, stable=True)
         return phys.gather(1, order), hole.sum(1)
 
