@@ -260,14 +260,13 @@ def _reference(keys, valid, k_eff, iters, bound, heads: HeadShards = LOCAL):
     s, n, f = keys.shape
     dev = keys.device
     live = valid
-    x = torch.where(live[..., None], keys.to(torch.float32), torch.zeros((), device=dev))
     cols = torch.arange(bound, device=dev)
     rows = torch.arange(s, device=dev)
     tok = torch.arange(n, device=dev)
     active_c = cols[None, :] < k_eff[:, None]  # [S, bound]
 
     # 1. farthest-first seeds from the Gram matrix
-    gram = heads.all_sum(x @ x.transpose(1, 2))  # the keys of every rank's heads
+    gram = _live_gram(keys, live, heads)
     sq = gram.diagonal(dim1=1, dim2=2)
     far = torch.where(live, torch.full_like(sq, float("inf")), torch.full_like(sq, float("-inf")))
     seeds = torch.zeros(s, bound, dtype=torch.long, device=dev)
@@ -345,15 +344,19 @@ def _kmeans_triton(keys, valid, k_eff, iters, bound, slots, heads: HeadShards = 
     return keep.bool()
 
 
+def _live_gram(keys: torch.Tensor, valid: torch.Tensor, heads: HeadShards) -> torch.Tensor:
+    """``[S, N, N]`` fp32 Gram matrix of each segment's live keys ``[S, N, F]`` (zero rows and
+    columns for dead slots), over the heads of every tensor-parallel rank (one all-reduce)."""
+    x = torch.where(valid[..., None], keys.to(torch.float32), torch.zeros((), device=keys.device))
+    return heads.all_sum(x @ x.transpose(1, 2))
+
+
 def _sharded_gram(keys, valid, slots, np_: int, heads: HeadShards) -> torch.Tensor:
-    """``[S, NP, NP]``: each segment's Gram matrix of its live tokens' keys over every rank's heads
-    (this rank's in fp32, summed by one all-reduce), zero outside the live tokens, as the kernel
-    forms it from one rank's keys."""
-    x = _gathered(keys, slots)
-    x = torch.where(valid[..., None], x.to(torch.float32), torch.zeros((), device=x.device))
+    """The kernel's ``[S, NP, NP]`` scratch holding :func:`_live_gram` over every rank's heads,
+    zero where padded, as the kernel forms it from one rank's keys."""
     s, n = valid.shape
-    gram = torch.zeros(s, np_, np_, dtype=torch.float32, device=x.device)
-    gram[:, :n, :n] = heads.all_sum(x @ x.transpose(1, 2))
+    gram = torch.zeros(s, np_, np_, dtype=torch.float32, device=valid.device)
+    gram[:, :n, :n] = _live_gram(_gathered(keys, slots), valid, heads)
     return gram
 
 

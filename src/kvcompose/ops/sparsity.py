@@ -138,14 +138,23 @@ def attention_sparsity_reference(
     probs = torch.softmax(logits, dim=-1)  # Eq. 2; NaN rows when no slot is live
     probs = torch.where(live[:, None, None, :], probs, torch.zeros_like(probs))
     pooled = probs.amax(dim=2)  # Eq. 3: [B, Hkv, L]
-    total = pooled.sum(dim=-1, keepdim=True)
-    rows = pooled / torch.where(total > 0, total, torch.ones_like(total))  # Eq. 4
+    total = pooled.sum(dim=-1)
     if combine == "scores":
-        rows = heads.mean(rows, dim=1).unsqueeze(1)  # [B, 1, L]
+        return _below_mean_row(pooled, total, live, threshold, heads)
+    rows = pooled / torch.where(total > 0, total, 1.0)[..., None]  # Eq. 4
     below = (rows < threshold * rows.amax(dim=-1, keepdim=True)) & live[:, None, :]
     n_live = live.sum(dim=-1, keepdim=True).to(torch.float32)
-    frac = below.sum(dim=-1).to(torch.float32) / n_live.clamp(min=1.0)
-    return frac[:, 0] if combine == "scores" else heads.mean(frac, dim=1)
+    return heads.mean(below.sum(dim=-1).to(torch.float32) / n_live.clamp(min=1.0), dim=1)
+
+
+def _below_mean_row(pooled, totals, live, threshold: float, heads: HeadShards) -> torch.Tensor:
+    """``combine="scores"`` from the pooled rows ``[B, H, L]`` and their sums ``[B, H]``: each row
+    renormalized (Eq. 4), averaged over the KV heads of every rank, and the share of live slots
+    below ``threshold`` times the average's maximum. The reference and the kernels' tensor-parallel
+    combine both end here."""
+    avg = heads.mean(pooled / torch.where(totals > 0, totals, 1.0)[..., None], dim=1)  # [B, L]
+    below = (avg < threshold * avg.amax(dim=-1, keepdim=True)) & live.to(torch.bool)
+    return below.sum(dim=-1).to(torch.float32) / live.sum(dim=-1).to(torch.float32).clamp(min=1.0)
 
 
 # ---------------------------------------------------------------------------
@@ -279,12 +288,9 @@ def _combine_over_ranks(pooled, part, live, threshold: float, scores: bool, head
     renormalized pooled rows ``[B, H, L]`` (or the per-head below-threshold counts) averaged over
     all heads by one all-reduce, then the fraction of live slots below the threshold."""
     per_head = part.sum(dim=2)  # [B, H]: each head's pooled total, or its count below the threshold
-    n_live = live.sum(dim=1).to(torch.float32).clamp(min=1.0)
-    if not scores:
-        return heads.mean(per_head, dim=1) / n_live
-    avg = heads.mean(pooled / torch.where(per_head > 0, per_head, 1.0)[..., None], dim=1)  # [B, L]
-    below = (avg < threshold * avg.amax(dim=-1, keepdim=True)) & live.to(torch.bool)
-    return below.sum(dim=-1).to(torch.float32) / n_live
+    if scores:
+        return _below_mean_row(pooled, per_head, live, threshold, heads)
+    return heads.mean(per_head, dim=1) / live.sum(dim=1).to(torch.float32).clamp(min=1.0)
 
 
 def _split(rows: int, length: int, device: torch.device) -> tuple[int, int]:
