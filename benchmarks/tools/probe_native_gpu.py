@@ -27,6 +27,22 @@ from kvcompose.ops.paged_attention import bytes_read, native, paged_decode_atten
 
 CVT = [f'"cvt.rn.f16x2.e4m3x2 %{i}, {r};\\n"' for i, r in enumerate(("l0", "l1", "h0", "h1"))]
 MUL = [f'"mul.rn.f16x2 %{i}, %{i}, %5;\\n"' for i in range(4)]
+KEY_PRODUCT = (
+    "    for (int kk = 0; kk < S::KSTEPS; ++kk)\n"
+    "      mma16816(s[j], a0[2 * kk], a1[2 * kk], a0[2 * kk + 1], a1[2 * kk + 1], qf[kk][0], qf[kk][1]);",
+    "    float odd[4] = {0.f, 0.f, 0.f, 0.f};\n"
+    "#pragma unroll\n"
+    "    for (int kk = 0; kk < S::KSTEPS; ++kk)\n"
+    "      mma16816(kk & 1 ? odd : s[j], a0[2 * kk], a1[2 * kk], a0[2 * kk + 1], a1[2 * kk + 1], qf[kk][0], "
+    "qf[kk][1]);\n"
+    "#pragma unroll\n"
+    "    for (int c = 0; c < 4; ++c) s[j][c] += odd[c];")
+RESCALE = (
+    "#pragma unroll\n  for (int r = 0; r < S::VTILES; ++r) {\n    st.acc[r][0] *= alpha[0];\n"
+    "    st.acc[r][1] *= alpha[1];\n    st.acc[r][2] *= alpha[0];\n    st.acc[r][3] *= alpha[1];\n  }",
+    "  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {\n"
+    "#pragma unroll\n  for (int r = 0; r < S::VTILES; ++r) {\n    st.acc[r][0] *= alpha[0];\n"
+    "    st.acc[r][1] *= alpha[1];\n    st.acc[r][2] *= alpha[0];\n    st.acc[r][3] *= alpha[1];\n  }\n  }")
 #: variant -> [(text, replacement)] applied to the kernel's source
 VARIANTS = {
     "base": [],
@@ -39,9 +55,15 @@ VARIANTS = {
                    "out[2] = w - s2; out[3] = w | s2; return;")],
     # at most 113 registers, so that 18 programs fit an SM (ptxas gives 96 and spills 48 bytes)
     "lb18": [("__launch_bounds__(32)", "__launch_bounds__(32, 18)")],
+    # the key product in two independent accumulator chains of four products instead of one of eight
+    "split_k": [KEY_PRODUCT],
+    # the output's rescale skipped when no query head's maximum moved (every alpha is exactly 1)
+    "lazy_rescale": [RESCALE],
+    # stand-in: the softmax's exponentials removed
+    "no_exp": [(f"fast_exp2({x} - m_safe)", f"({x} - m_safe)") for x in ("st.m[e]", "s[j][e]", "s[j][e + 2]")],
 }
 #: variants whose outputs are exact (the rest replace part of the decode by a stand-in)
-EXACT = {"base", "stages3", "lb18"}
+EXACT = {"base", "stages3", "lb18", "split_k", "lazy_rescale"}
 
 
 #: Substitutions of every variant: only the NVFP4 bf16 head-dim-128 kernel is compiled (a sixth of the build time).

@@ -113,12 +113,16 @@ __device__ __forceinline__ void e4m3x4_scaled(uint32_t e, uint32_t s2, uint32_t*
 // (0, 2), out[1] = (4, 6), out[2] = (1, 3), out[3] = (5, 7), out[4 ..] the same for 8 ... 15.
 // Each selector holds four codes in the low bits of its nibbles; the byte permute looks each up
 // in the table of E4M3 bytes {0, 2^-6, -2^-6, 0}.
+constexpr uint32_t TERNARY_LEVELS = 0x00880800u;
+__device__ __forceinline__ uint32_t ternary_bytes(uint32_t w, int shift) {
+  return __byte_perm(TERNARY_LEVELS, 0, (w >> shift) & 0x3333u);
+}
+
 __device__ __forceinline__ void ternary_word(uint32_t w, uint32_t s2, uint32_t* out) {
-  constexpr uint32_t LEVELS = 0x00880800u;
-  e4m3x4_scaled(__byte_perm(LEVELS, 0, w & 0x3333u), s2, out);
-  e4m3x4_scaled(__byte_perm(LEVELS, 0, (w >> 2) & 0x3333u), s2, out + 2);
-  e4m3x4_scaled(__byte_perm(LEVELS, 0, (w >> 16) & 0x3333u), s2, out + 4);
-  e4m3x4_scaled(__byte_perm(LEVELS, 0, (w >> 18) & 0x3333u), s2, out + 6);
+  e4m3x4_scaled(ternary_bytes(w, 0), s2, out);
+  e4m3x4_scaled(ternary_bytes(w, 2), s2, out + 2);
+  e4m3x4_scaled(ternary_bytes(w, 16), s2, out + 4);
+  e4m3x4_scaled(ternary_bytes(w, 18), s2, out + 6);
 }
 
 // One code word of format F decoded into Shape::REGS fp16 pairs (word_channel's order).
@@ -126,6 +130,33 @@ template <int F>
 __device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t* out) {
   if constexpr (F == TERNARY) ternary_word(w, s2, out);
   else fp4_word(w, s2, out);
+}
+
+// The same code word of two tokens (w0, w1) decoded into fp16 pairs that each hold both tokens'
+// value of one channel, as the value product's A operand takes them (two tokens per register):
+// out[2 k + e] = (token 0, token 1) at the word's channel word_channel(k, e); s2 = (scale of
+// token 0, scale of token 1). The bytes of the two words are interleaved before the decode
+// (after the table lookup for ternary), which costs a quarter (NVFP4) or half (ternary) of the
+// byte permutes that interleaving the decoded pairs would.
+template <int F>
+__device__ __forceinline__ void decode_token_pair(uint32_t w0, uint32_t w1, uint32_t s2, uint32_t* out) {
+  if constexpr (F == TERNARY) {
+    constexpr int SHIFTS[4] = {0, 2, 16, 18};  // ternary_word's four groups of channels
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t e0 = ternary_bytes(w0, SHIFTS[i]), e1 = ternary_bytes(w1, SHIFTS[i]);
+      e4m3x4_scaled(__byte_perm(e0, e1, 0x5140), s2, out + 4 * i);
+      e4m3x4_scaled(__byte_perm(e0, e1, 0x7362), s2, out + 4 * i + 2);
+    }
+  } else {
+    // bytes 0 and 1 of both words hold channels 0 to 3: fp4_word gives (0), (2), (1), (3); bytes
+    // 2 and 3 hold channels 4 to 7 likewise
+    uint32_t o[4];
+    fp4_word(__byte_perm(w0, w1, 0x5140), s2, o);
+    out[0] = o[0], out[1] = o[1], out[4] = o[2], out[5] = o[3];
+    fp4_word(__byte_perm(w0, w1, 0x7362), s2, o);
+    out[2] = o[0], out[3] = o[1], out[6] = o[2], out[7] = o[3];
+  }
 }
 
 // fp16 pair (a, b) of the E4M3 bytes in the low 16 bits of x (a: the low byte).
@@ -152,6 +183,14 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
 __device__ __forceinline__ uint32_t half2_bits(float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// 2^x as the hardware's approximation (ex2.approx.ftz: within two units in the last place; -inf
+// gives 0): exp2f's handling of denormal results costs three more instructions per call.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -351,12 +390,12 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
     for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     const float m_new = fmaxf(st.m[e], mx);
     const float m_safe = m_new == -INFINITY ? 0.f : m_new;
-    alpha[e] = exp2f(st.m[e] - m_safe);
+    alpha[e] = fast_exp2(st.m[e] - m_safe);
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      s[j][e] = exp2f(s[j][e] - m_safe);
-      s[j][e + 2] = exp2f(s[j][e + 2] - m_safe);
+      s[j][e] = fast_exp2(s[j][e] - m_safe);
+      s[j][e + 2] = fast_exp2(s[j][e + 2] - m_safe);
       sum += s[j][e] + s[j][e + 2];
     }
     st.l[e] = st.l[e] * alpha[e] + sum;
@@ -374,19 +413,22 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
   for (int j = 0; j < 2; ++j) {
     const uint32_t b0 = transpose8x8(half2_bits(s[j][0], s[j][1]));
     const uint32_t b1 = transpose8x8(half2_bits(s[j][2], s[j][3]));
-    uint32_t x[4][S::REGS * S::VWORDS];
+    // x[p]: the lane's token pair p (value tokens 4 j + 2 p and 4 j + 2 p + 1), register 2 r + e
+    // holding both tokens at channel word_channel(r, e); a token outside the split gets scale 0
+    uint32_t x[2][2 * S::VTILES];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int vt = 4 * j + u;
-      const bool live = (ok >> value_token(vt, tig)) & 1u;
-      const uint32_t sc = live ? __byte_perm(scale_pair(t.vscale[vt]), 0, 0x1010) : 0u;
+    for (int p = 0; p < 2; ++p) {
+      const int v0 = 4 * j + 2 * p, v1 = v0 + 1;
+      const uint32_t s0 = (ok >> value_token(v0, tig)) & 1u ? t.vscale[v0] : 0u;
+      const uint32_t s1 = (ok >> value_token(v1, tig)) & 1u ? t.vscale[v1] : 0u;
+      const uint32_t sc = scale_pair(s0 | (s1 << 8));
 #pragma unroll
-      for (int vw = 0; vw < S::VWORDS; ++vw) decode_word<F>(t.v[vt][vw], sc, x[u] + S::REGS * vw);
+      for (int vw = 0; vw < S::VWORDS; ++vw)
+        decode_token_pair<F>(t.v[v0][vw], t.v[v1][vw], sc, x[p] + 2 * S::REGS * vw);
     }
 #pragma unroll
     for (int r = 0; r < S::VTILES; ++r)
-      mma16816(st.acc[r], __byte_perm(x[0][r], x[1][r], 0x5410), __byte_perm(x[0][r], x[1][r], 0x7632),
-               __byte_perm(x[2][r], x[3][r], 0x5410), __byte_perm(x[2][r], x[3][r], 0x7632), b0, b1);
+      mma16816(st.acc[r], x[0][2 * r], x[0][2 * r + 1], x[1][2 * r], x[1][2 * r + 1], b0, b1);
   }
 }
 
