@@ -446,21 +446,19 @@ def kernel_label(name: str) -> str:
     return base + (f" [{', '.join(tags)}]" if tags else "")
 
 
-def profile_records() -> tuple[dict | None, list[dict]]:
-    """The newest profile run and, per policy, the newest record at its batch, prompt and GPU,
-    each with its run's ``date``: a run may profile some policies only, and the page still
-    shows the others as last measured."""
+def profile_groups() -> list[tuple[dict, list[dict]]]:
+    """The profiles per setting (batch, prompt, GPU), the setting of the newest run first: each as
+    its newest run and, per policy, the newest record at that setting, with its run's ``date`` (a
+    run may profile some policies only; the page still shows the others as last measured)."""
     runs = [r for r in read_runs(RESULTS / "profile_decode_gpu.json") if not r.get("smoke")]
-    if not runs:
-        return None, []
-    last = runs[-1]
-    shape = (last["records"][0]["batch"], last["records"][0]["prompt"], last["environment"].get("gpu"))
-    newest: dict[str, dict] = {}
+    groups: dict[tuple, tuple[dict, dict[str, dict]]] = {}
     for run in runs:
         for r in run["records"]:
-            if (r["batch"], r["prompt"], run["environment"].get("gpu")) == shape:
-                newest[r["policy"]] = dict(r, date=run["environment"].get("date", ""))
-    return last, list(newest.values())
+            shape = (r["batch"], r["prompt"], run["environment"].get("gpu"))
+            newest = groups.pop(shape, (run, {}))[1]  # re-inserted: the newest setting ends last
+            newest[r["policy"]] = dict(r, date=run["environment"].get("date", ""))
+            groups[shape] = (run, newest)
+    return [(run, list(newest.values())) for run, newest in reversed(groups.values())]
 
 
 def _plain_launches(record: dict) -> str:
@@ -469,22 +467,28 @@ def _plain_launches(record: dict) -> str:
 
 
 def decode_profile(lines: list[str]) -> None:
-    data, recs = profile_records()
-    if not data:
+    groups = profile_groups()
+    if not groups:
         return
+    lines += ["## Where a decode step goes", "",
+              "`benchmarks/profile_decode.py`: GPU time per decode step by kernel (torch.profiler) over some decode "
+              "steps (a run of that many more steps minus a short one), the static-shape path without CUDA graphs "
+              "(the kernels a replayed graph runs), random Llama-3-8B-shaped weights in bf16, the decoder layers "
+              "fused as `fast_generate` runs them on CUDA. `nvjet_*` and `splitKreduce` are cuBLAS GEMMs (the "
+              "weights), `_paged_partial_kernel` and `packed_partial_kernel` (`nvfp4_partial_kernel` in earlier "
+              "runs) the fused attention, `_merge_kernel` and `_rider_merge_kernel` the merge of its partial "
+              "results, `triton_*` the decoder layers' fused norms, rotary, SiLU and residual sums, the "
+              "`at::native` kernels the cache's bookkeeping and what runs outside the fused layers. One section "
+              "per setting, the newest first.", ""]
+    for data, recs in groups:
+        _profile_setting(lines, data, recs)
+
+
+def _profile_setting(lines: list[str], data: dict, recs: list[dict]) -> None:
     r0 = recs[0]
     dates = ", ".join(f"{r['policy']} {r['date'][:16]}" for r in recs)
-    lines += ["## Where a decode step goes", "", f"`profile_decode_gpu.json` — {_env(data)}; runs: {dates}", "",
-              f"`benchmarks/profile_decode.py`: GPU time per decode step by kernel (torch.profiler), batch "
-              f"{r0['batch']}, prompt {r0['prompt']}, {r0['steps']} decode steps (a run of that many more steps "
-              "minus a short one), the static-shape path without CUDA graphs (the kernels a replayed graph runs), "
-              "random Llama-3-8B-shaped weights in bf16, the decoder layers fused as `fast_generate` runs them "
-              "on CUDA. `nvjet_*` "
-              "and `splitKreduce` are cuBLAS GEMMs (the weights), `_paged_partial_kernel` and "
-              "`packed_partial_kernel` (`nvfp4_partial_kernel` in earlier runs) the fused attention, `triton_*` "
-              "the decoder layers' fused norms, rotary, "
-              "SiLU and residual sums, the `at::native` kernels the cache's bookkeeping and what runs outside "
-              "the fused layers. " + data.get("notes", ""), ""]
+    lines += [f"### Batch {r0['batch']}, prompt {r0['prompt']}", "",
+              f"`profile_decode_gpu.json` — {_env(data)}; runs: {dates}; {r0['steps']} decode steps profiled.", ""]
     replayed = all(r.get("replay_ms_per_step") is not None for r in recs)
     launches = all(r.get("launches_per_layer") is not None for r in recs)
     plain = any(r.get("launches_per_plain_step") is not None for r in recs)

@@ -183,3 +183,19 @@ def test_runs_timed_on_their_profiled_run_are_named():
     lines = []
     summarize.e2e(lines, {}, [{"environment": {"gpu": "NVIDIA H200"}, "records": records}])
     assert "In run l1, kvcompose's *ms/step* comes from the profiled run" in "\n".join(lines)
+
+
+def test_the_profile_section_keeps_every_setting_with_each_policys_newest_record(monkeypatch):
+    def run(date, gpu, *records):
+        return {"environment": {"date": date, "gpu": gpu},
+                "records": [{"policy": p, "batch": b, "prompt": 512, "ms": ms} for p, b, ms in records]}
+
+    runs = [run("2026-01-01", "H100", ("fullkv", 16, 1.0), ("rkv", 16, 2.0)),
+            run("2026-01-02", "H200", ("thinkv", 447, 3.0)),
+            run("2026-01-03", "H100", ("rkv", 16, 4.0)),  # a newer rkv at the first setting
+            run("2026-01-04", "H200", ("thinkv", 447, 5.0))]
+    summarize = _summarize()
+    monkeypatch.setattr(summarize, "read_runs", lambda path: runs)
+    groups = summarize.profile_groups()
+    assert [(g[0]["environment"]["date"], [(r["policy"], r["ms"]) for r in g[1]]) for g in groups] == [
+        ("2026-01-04", [("thinkv", 5.0)]), ("2026-01-03", [("fullkv", 1.0), ("rkv", 4.0)])]

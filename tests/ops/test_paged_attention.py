@@ -235,7 +235,11 @@ def test_short_sources_move_to_the_merge_only_beside_another_launch(monkeypatch)
     assert launch.merge_riders([short], 3, False) == [0]  # beside the CUDA kernel's partials
     assert launch.merge_riders([short], 3, True) == []  # scores are written by the partial kernel only
     assert launch.merge_riders([long, short], 3, False) == []  # long Triton sources beside the CUDA kernel's
+    most = launch.RIDER_MERGE_MAX_HEADS  # larger batches: the buffer gets a partial launch of its own
+    assert launch.merge_riders([short], 3, False, most) == [0]
+    assert launch.merge_riders([short], 3, False, most + 1) == []
     monkeypatch.setattr(launch, "RIDERS_IN_MERGE", "always")
+    assert launch.merge_riders([long, short], 0, False, most + 1) == [1]  # as asked, at any size
     assert launch.merge_riders([long, short], 0, False) == [1] and launch.merge_riders([short], 0, False) == []
     monkeypatch.setattr(launch, "RIDERS_IN_MERGE", "never")
     assert launch.merge_riders([short], 3, False) == []

@@ -50,6 +50,10 @@ MAX_REGISTERS = None  # registers per thread of the partial kernel (None: the co
 # long ones, so the buffer costs no launch of its own; "always" also beside long Triton sources
 # (CPU tests exercise the kernel that way); "never" (each in a partial launch).
 RIDERS_IN_MERGE = "native"
+# ... and "native" only up to this many query heads per launch (rows x query heads): the merge
+# launch's programs each compute their group's buffer before merging, which at large batches
+# costs more than a partial launch of the buffer's own and a plain merge.
+RIDER_MERGE_MAX_HEADS = 2048
 RIDER_MERGE_CONSTS = ("CONSTS", "NSRC", "H", "G", "GP", "D", "PREC", "OUT", "NATIVE")
 LOG2E = 1.4426950408889634
 NATIVE_TILE = 32  # tokens per loop step of the CUDA kernel (native_packed.cu)
@@ -131,7 +135,7 @@ def paged_decode_triton(query, sources, scaling, probs, mass=None, native: str =
     scores = probs or mass is not None
     built, native_plans, first = _native_plans(q, sources, scores, native)
     rest = [s for i, s in enumerate(sources) if i not in native_plans]
-    in_merge = merge_riders(rest, first, scores) if merge_width(B * Hq, D, device) == next_pow2(D) else []
+    in_merge = merge_riders(rest, first, scores, B * Hq) if merge_width(B * Hq, D, device) == next_pow2(D) else []
     riders = [s for i, s in enumerate(rest) if i in in_merge]
     rest = [s for i, s in enumerate(rest) if i not in in_merge]
     if rest:
@@ -274,7 +278,7 @@ def merge_width(pairs: int, D: int, device: torch.device) -> int:
     return min(whole, MERGE_SLICE)
 
 
-def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool) -> list[int]:
+def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool, query_heads: int = 0) -> list[int]:
     """Indices of the short sources in ``rest`` (the sources the Triton partial kernel would
     run) that :func:`~.kernels._rider_merge_kernel` computes in the merge launch instead: the
     recent buffer beside pools the CUDA kernel read, which would otherwise need a partial
@@ -292,7 +296,8 @@ def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool) ->
     if scores or not small or RIDERS_IN_MERGE == "never":
         return []
     alone = len(small) == len(rest)  # the short sources would need a partial launch of their own
-    if (native_partials > 0 and alone) or (RIDERS_IN_MERGE == "always" and not alone):
+    native = native_partials > 0 and alone and query_heads <= RIDER_MERGE_MAX_HEADS
+    if native or (RIDERS_IN_MERGE == "always" and not alone):
         return small
     return []
 
