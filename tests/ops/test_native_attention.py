@@ -112,6 +112,21 @@ def test_cuda_native_kernel_matches_reference(fmt, group, head_dim, H):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("most_heads", [0, 10 ** 6], ids=["own-launch", "in-merge"])
+def test_the_buffer_beside_the_cuda_kernel_in_the_merge_or_in_its_own_launch(most_heads, monkeypatch):
+    """Large batches compute the recent buffer in a partial launch of its own and merge plainly
+    (``RIDER_MERGE_MAX_HEADS``); small ones in the merge launch. Both agree with the reference."""
+    from kvcompose.ops.paged_attention import launch
+
+    monkeypatch.setattr(launch, "RIDER_MERGE_MAX_HEADS", most_heads)
+    lengths = [700, 0, 33, 1500]
+    src = make_source("nvfp4", lengths, 2, 128, holes=True, device="cuda")
+    buffer = make_source("dense", [5, 0, 15, 1], 2, 128, bs=15, seed=9, device="cuda")
+    query = torch.randn(len(lengths), 8, 1, 128, device="cuda").to(torch.bfloat16)
+    check_native(query, [src, buffer])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "ternary"])
 @pytest.mark.parametrize("dtype,magnitude", [(torch.float16, 1.0), (torch.bfloat16, 1.0e5), (torch.bfloat16, 1e-3)])
 def test_cuda_native_kernel_keeps_any_query(fmt, dtype, magnitude):
