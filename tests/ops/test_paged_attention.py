@@ -240,6 +240,7 @@ def test_short_sources_move_to_the_merge_only_beside_another_launch(monkeypatch)
     assert launch.merge_riders([short], 3, False, most + 1) == []
     monkeypatch.setattr(launch, "RIDERS_IN_MERGE", "always")
     assert launch.merge_riders([long, short], 0, False, most + 1) == [1]  # as asked, at any size
+    assert launch.merge_riders([short], 3, False, most + 1) == [0]
     assert launch.merge_riders([long, short], 0, False) == [1] and launch.merge_riders([short], 0, False) == []
     monkeypatch.setattr(launch, "RIDERS_IN_MERGE", "never")
     assert launch.merge_riders([short], 3, False) == []

@@ -282,8 +282,9 @@ def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool, qu
     """Indices of the short sources in ``rest`` (the sources the Triton partial kernel would
     run) that :func:`~.kernels._rider_merge_kernel` computes in the merge launch instead: the
     recent buffer beside pools the CUDA kernel read, which would otherwise need a partial
-    launch of its own (``RIDERS_IN_MERGE``: ``"native"``; ``"always"`` also where long
-    sources stay in the Triton launch, ``"never"``). Not when scores are written, and not
+    launch of its own (``RIDERS_IN_MERGE``: ``"native"``, up to ``RIDER_MERGE_MAX_HEADS``
+    ``query_heads`` per launch; ``"always"`` at any size and also where long sources stay in
+    the Triton launch; ``"never"``). Not when scores are written, and not
     where the merge slices channels (few rows, many splits: a program per query head walking
     every split of whole rows would idle the GPU; :func:`paged_decode_triton` checks that).
 
@@ -296,10 +297,9 @@ def merge_riders(rest: list[PagedSource], native_partials: int, scores: bool, qu
     if scores or not small or RIDERS_IN_MERGE == "never":
         return []
     alone = len(small) == len(rest)  # the short sources would need a partial launch of their own
-    native = native_partials > 0 and alone and query_heads <= RIDER_MERGE_MAX_HEADS
-    if native or (RIDERS_IN_MERGE == "always" and not alone):
-        return small
-    return []
+    if RIDERS_IN_MERGE == "always":
+        return small if native_partials > 0 or not alone else []
+    return small if native_partials > 0 and alone and query_heads <= RIDER_MERGE_MAX_HEADS else []
 
 
 def small_source(src: PagedSource) -> bool:
