@@ -108,21 +108,21 @@ __device__ __forceinline__ void e4m3x4_scaled(uint32_t e, uint32_t s2, uint32_t*
       : "r"(e), "r"(s2));
 }
 
+// Group i (0 to 3) of a word's codes as E4M3 bytes: codes 0, 2, 4, 6 (i = 0), 1, 3, 5, 7, then
+// the same for 8 to 15.
+__device__ __forceinline__ uint32_t ternary_bytes(uint32_t w, int i) {
+  constexpr uint32_t LEVELS = 0x00880800u;
+  return __byte_perm(LEVELS, 0, (w >> (2 * (i & 1) + 16 * (i >> 1))) & 0x3333u);
+}
+
 // Sixteen ternary codes of one word (code i in bits 2i, 2i + 1: 0 -> 0, 1 -> +1, 2 -> -1, 3 unused)
 // times 2^-6 times a block scale (s2 as in fp4_word), in word_channel's order: out[0] = channels
 // (0, 2), out[1] = (4, 6), out[2] = (1, 3), out[3] = (5, 7), out[4 ..] the same for 8 ... 15.
 // Each selector holds four codes in the low bits of its nibbles; the byte permute looks each up
 // in the table of E4M3 bytes {0, 2^-6, -2^-6, 0}.
-constexpr uint32_t TERNARY_LEVELS = 0x00880800u;
-__device__ __forceinline__ uint32_t ternary_bytes(uint32_t w, int shift) {
-  return __byte_perm(TERNARY_LEVELS, 0, (w >> shift) & 0x3333u);
-}
-
 __device__ __forceinline__ void ternary_word(uint32_t w, uint32_t s2, uint32_t* out) {
-  e4m3x4_scaled(ternary_bytes(w, 0), s2, out);
-  e4m3x4_scaled(ternary_bytes(w, 2), s2, out + 2);
-  e4m3x4_scaled(ternary_bytes(w, 16), s2, out + 4);
-  e4m3x4_scaled(ternary_bytes(w, 18), s2, out + 6);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) e4m3x4_scaled(ternary_bytes(w, i), s2, out + 2 * i);
 }
 
 // One code word of format F decoded into Shape::REGS fp16 pairs (word_channel's order).
@@ -141,10 +141,9 @@ __device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t* o
 template <int F>
 __device__ __forceinline__ void decode_token_pair(uint32_t w0, uint32_t w1, uint32_t s2, uint32_t* out) {
   if constexpr (F == TERNARY) {
-    constexpr int SHIFTS[4] = {0, 2, 16, 18};  // ternary_word's four groups of channels
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint32_t e0 = ternary_bytes(w0, SHIFTS[i]), e1 = ternary_bytes(w1, SHIFTS[i]);
+      const uint32_t e0 = ternary_bytes(w0, i), e1 = ternary_bytes(w1, i);
       e4m3x4_scaled(__byte_perm(e0, e1, 0x5140), s2, out + 4 * i);
       e4m3x4_scaled(__byte_perm(e0, e1, 0x7362), s2, out + 4 * i + 2);
     }
