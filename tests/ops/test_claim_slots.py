@@ -61,6 +61,68 @@ def test_a_row_past_its_table_sets_overflow():
     assert int(overflow) == 1 and length.tolist() == [5, 1]
 
 
+def reserved_region(B: int, W: int, bs: int, seed: int):
+    """A region whose rows hold their first blocks only (-1 after them) and draw more from a row
+    reserve of free ids (some rows with none left), with random holes in the written slots."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(2 * B * W + 3, generator=g)
+    length = torch.randint(0, W * bs + 1, (B,), generator=g)
+    length[0], length[-1] = W * bs, 0
+    owned = (length + bs - 1) // bs
+    cols = torch.arange(W)[None, :]
+    table = torch.where(cols < owned[:, None], ids[:B * W].reshape(B, W), -1)
+    stack = torch.cat([ids[B * W:2 * B * W].reshape(B, W), torch.full((B, 1), -1)], 1)
+    count = torch.randint(0, W + 1, (B,), generator=g)
+    count[1] = 0  # a row with an empty reserve
+    valid = torch.rand((2 * B * W + 3) * bs, generator=g) < 0.7
+    return table, length, valid, stack, count, g
+
+
+def run_reserved(state, mask, backend, trash, bs):
+    table, length, valid, stack, count = (t.clone() for t in state)
+    blocks, overflow = torch.zeros_like(length), torch.zeros((), dtype=torch.int32, device=length.device)
+    slot = claim_slots(table, length, blocks, valid, mask, trash, overflow, bs, (stack, count), backend=backend)
+    return slot, table, length, blocks, count, overflow
+
+
+@pytest.mark.parametrize("B,W,bs,N,seed", [(5, 3, 4, 4, 0), (4, 9, 16, 16, 1), (6, 4, 4, 9, 3)])
+def test_kernel_matches_reference_with_a_row_reserve(B, W, bs, N, seed):
+    table, length, valid, stack, count, g = reserved_region(B, W, bs, seed)
+    mask = torch.rand(B, N, generator=g) < 0.7
+    mask[1] = True  # the row without free blocks writes all of its tokens
+    trash = (2 * B * W + 2) * bs
+    want = run_reserved((table, length, valid, stack, count), mask, "torch", trash, bs)
+    got = run_reserved((table, length, valid, stack, count), mask, "triton", trash, bs)
+    for a, b, name in zip(want, got, ("slot", "table", "length", "num_blocks", "count", "overflow")):
+        assert torch.equal(a, b), name
+
+
+def test_new_blocks_come_off_the_row_reserve_newest_first():
+    bs = 4
+    table = torch.tensor([[5, -1, -1], [2, 3, -1]])  # row 0: 3 slots written; row 1: 8, block 3 full
+    valid = torch.ones(64, dtype=torch.bool)
+    valid[5 * bs + 3:6 * bs] = False  # row 0's unwritten slot
+    length = torch.tensor([3, 8])
+    stack = torch.tensor([[9, 4, 11, -1], [7, -1, -1, -1]])
+    count = torch.tensor([3, 1])
+    blocks, overflow = torch.zeros(2, dtype=torch.long), torch.zeros((), dtype=torch.int32)
+    mask = torch.tensor([[True] * 6, [True, True, False, False, False, False]])
+    slot = claim_slots_torch(table, length, blocks, valid, mask, 63, overflow, bs, (stack, count))
+    assert slot.view(2, 6).tolist() == [[23, 44, 45, 46, 47, 16], [28, 29, 63, 63, 63, 63]]
+    assert table.tolist() == [[5, 11, 4], [2, 3, 7]]  # block 11, the top of row 0's stack, first
+    assert count.tolist() == [1, 0] and length.tolist() == [9, 10] and int(overflow) == 0
+
+
+def test_a_row_without_free_blocks_sets_overflow_and_writes_to_the_trash():
+    table = torch.tensor([[0, -1]])
+    valid = torch.ones(12, dtype=torch.bool)
+    length, count = torch.tensor([4]), torch.tensor([0])
+    blocks, overflow = torch.zeros(1, dtype=torch.long), torch.zeros((), dtype=torch.int32)
+    slot = claim_slots_torch(table, length, blocks, valid, torch.tensor([[True, True]]), 11, overflow, 4,
+                             (torch.tensor([[2, -1]]), count))
+    assert slot.tolist() == [11, 11] and int(overflow) == 1 and table.tolist() == [[0, -1]]
+
+
 def test_bad_input_is_named():
     table = torch.zeros(2, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="int64"):
@@ -81,5 +143,12 @@ def test_kernel_matches_reference_on_gpu():
     state = tuple(t.cuda() for t in (table, length, valid))
     want = run(state, mask.cuda(), "torch", (B * W + 2) * bs, bs)
     got = run(state, mask.cuda(), None, (B * W + 2) * bs, bs)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    table, length, valid, stack, count, g = reserved_region(B, 40, bs, 8)
+    state = tuple(t.cuda() for t in (table, length, valid, stack, count))
+    mask = (torch.rand(B, N, generator=g) < 0.7).cuda()
+    want = run_reserved(state, mask, "torch", (2 * B * 40 + 2) * bs, bs)
+    got = run_reserved(state, mask, None, (2 * B * 40 + 2) * bs, bs)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
