@@ -1,0 +1,86 @@
+"""Masked slot writes of static decode (ops/scatter_slots.py): kernel == torch reference, and the
+reference writes exactly the masked entries (the trash slot takes the rest)."""
+
+import pytest
+import torch
+
+from kvcompose.ops.scatter_slots import copy_slots, fill_slots
+
+SLOTS, TRASH = 64, 63
+
+
+def per_slot(kind: str, g: torch.Generator) -> torch.Tensor:
+    """A pool's per-slot tensor of each layout kvcompose stores (channels, codes, scales)."""
+    if kind == "valid":
+        return torch.rand(SLOTS, generator=g) < 0.5
+    if kind == "pos":
+        return torch.randint(-1, 1000, (SLOTS,), generator=g)
+    if kind == "mass":
+        return torch.rand(SLOTS, generator=g)
+    if kind == "codes":  # 2 heads x 24 bytes: whole words
+        return torch.randint(0, 256, (SLOTS, 2, 24), generator=g, dtype=torch.uint8)
+    return torch.randint(0, 256, (SLOTS, 3, 3), generator=g, dtype=torch.uint8)  # 9 bytes a slot: bytes
+
+
+def grid(g: torch.Generator, B: int = 3, L: int = 7):
+    """Distinct source and target slots (never both), masked at random, the trash slot unused."""
+    slots = torch.randperm(TRASH, generator=g)[:2 * B * L]
+    mask = torch.rand(B, L, generator=g) < 0.6
+    return slots[:B * L].view(B, L), slots[B * L:].view(B, L), mask
+
+
+def on_both(op, flat: torch.Tensor, *args, backend: str = "triton") -> torch.Tensor:
+    """``op`` on copies of ``flat`` through the torch reference and ``backend``: the reference's
+    result, once the two agree on every slot but the trash slot."""
+    want, got = flat.clone(), flat.clone()
+    op(want, *args, TRASH, backend="torch")
+    op(got, *args, TRASH, backend=backend)
+    assert torch.equal(want[:TRASH], got[:TRASH])
+    return want
+
+
+@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes"])
+def test_copy_kernel_matches_reference(kind):
+    g = torch.Generator().manual_seed(len(kind))
+    flat = per_slot(kind, g)
+    source, target, mask = grid(g)
+    want = on_both(copy_slots, flat, source, target, mask)
+    moved = target[mask]
+    assert torch.equal(want[moved], flat[source[mask]])  # the masked entries moved
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[moved] = False
+    untouched[TRASH] = False
+    assert torch.equal(want[untouched], flat[untouched])  # and nothing else changed
+
+
+@pytest.mark.parametrize("kind,value", [("valid", False), ("pos", -1), ("mass", 0.0)])
+def test_fill_kernel_matches_reference(kind, value):
+    g = torch.Generator().manual_seed(3)
+    flat = per_slot(kind, g)
+    index, _, mask = grid(g)
+    want = on_both(fill_slots, flat, index, mask, value)
+    assert bool((want[index[mask]] == value).all())
+    kept = index[~mask]
+    assert torch.equal(want[kept], flat[kept])
+
+
+def test_bad_input_is_named():
+    flat = torch.zeros(SLOTS)
+    index = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="int64"):
+        fill_slots(flat, index.int(), torch.ones(2, 3, dtype=torch.bool), 0.0, TRASH)
+    with pytest.raises(ValueError, match="mask's shape"):
+        copy_slots(flat, index, index[:, :2], torch.ones(2, 3, dtype=torch.bool), TRASH)
+    with pytest.raises(ValueError, match="one value per slot"):
+        fill_slots(torch.zeros(SLOTS, 4), index, torch.ones(2, 3, dtype=torch.bool), 0.0, TRASH)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["valid", "pos", "codes", "bytes"])
+def test_kernels_match_reference_on_gpu(kind):
+    g = torch.Generator().manual_seed(5)
+    flat = per_slot(kind, g).cuda()
+    source, target, mask = (t.cuda() for t in grid(g))
+    on_both(copy_slots, flat, source, target, mask, backend=None)
+    if flat.dim() == 1:
+        on_both(fill_slots, flat, source, mask, False if kind == "valid" else -1, backend=None)
