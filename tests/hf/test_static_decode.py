@@ -410,10 +410,14 @@ def test_graph_replay_gives_the_eager_static_tokens(preset):
     assert again.warm_ups == 0 and again.warmed_before == warmed.warm_ups
 
 
-@pytest.mark.parametrize("pager", ["gather", "ct"])
-def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pager):
+@pytest.mark.parametrize("pager,holes", [("gather", None), ("ct", None), ("gather", 0), ("ct", 1)],
+                         ids=["gather", "ct", "gather-reserve", "ct-reserve"])
+def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pager, holes):
     """Both pagers in static mode: the same kept tokens (positions, keys, values, classes) as the
-    eager pager after the same eviction, with fixed shapes and no host synchronization."""
+    eager pager after the same eviction, with fixed shapes and no host synchronization. With a
+    row reserve (``holes`` given), the two classes' regions share their pool's blocks: ``ct``
+    packs the rows whose holes reach a block and both give emptied blocks back, so the regions
+    hold what the eager pager leaves them."""
     from kvcompose.pagers import ContinuousThinkingPager, GatherPager
     from kvcompose.paging import DenseCodec, LayerStore
 
@@ -427,9 +431,12 @@ def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pag
         store.append(k, v, real, torch.randint(0, 2, (3, 30), generator=g))
         return store
 
-    make = (lambda: GatherPager()) if pager == "gather" else (lambda: ContinuousThinkingPager(max_hole_blocks=None))
+    make = (lambda: GatherPager()) if pager == "gather" else (lambda: ContinuousThinkingPager(max_hole_blocks=holes))
     eager, static = filled(), filled()
-    static.fix_capacity(48)
+    static.fix_capacity(48, hole_blocks=holes)
+    shared = static.regions[0].reserve
+    assert (shared is not None) == (holes is not None) and static.regions[1].reserve is shared
+    free_before = None if shared is None else shared.count.clone()
 
     def keep_for(view):  # drop every position divisible by 3 (same rule on both layouts)
         return view.valid & (view.positions % 3 != 0)
@@ -455,6 +462,35 @@ def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pag
             assert torch.equal(x, y)
     report = [s.live_tokens().tolist() for s in (eager, static)]
     assert report[0] == report[1] and int(static.evictions_on_device) == 1
+    if shared is not None:  # the regions hold the eager pager's blocks; the rest went back to the reserve
+        for e, st in zip(eager.regions, static.regions):
+            assert torch.equal(e.length, st.length) and torch.equal(e.num_blocks, st.num_blocks)
+            assert bool((st.table[:, :, None] >= 0).eq(torch.arange(st.table.shape[1])[None, :, None]
+                                                       < st.num_blocks[:, None, None]).all())
+        given_back = shared.count - free_before
+        held_before = sum((r.table >= 0).sum(1) for r in filled().regions)
+        assert torch.equal(given_back, held_before - sum(r.num_blocks for r in static.regions))
+        assert int(given_back.sum()) > 0
+
+
+def test_thinkv_classes_of_one_pool_share_a_row_reserve(llama):
+    """ThinKV's classes of one pool (R and E in NVFP4; all three here, unquantized, which the
+    interpreted kernels run faster) draw from one reserve per row in static mode instead of
+    reserving the whole budget each, and decode the eager tokens through its step-downs
+    (blocks given back and taken again) with less memory allocated."""
+    policy = Policy.from_preset("thinkv-tbe", budget=48, refresh=16)
+    assert policy.static_hole_blocks == 1  # the ct pager packs a class's holes at one block
+    _, ids, mask = left_padded([20, 13, 31])
+    expected, got, eager, static = _run_both(llama, policy, ids, mask, 48)
+    static.check_errors()
+    assert torch.equal(expected, got)
+    assert static.report().evictions > 0
+    store = static.layers[0].store
+    regions = store.regions
+    assert regions[0].reserve is regions[1].reserve is regions[2].reserve is not None
+    pool = regions[0].pool
+    per_class = sum(r.table.shape[1] for r in regions) * ids.shape[0]  # blocks that a reservation per class takes
+    assert pool.capacity <= regions[0].reserve.width * ids.shape[0] + 1 < per_class  # + the trash block
 
 
 @pytest.mark.slow

@@ -50,11 +50,15 @@ class ContinuousThinkingPager(Pager):
         if m is not None and not is_int_at_least(m, 1):
             raise ValueError(f"ct pager: max_hole_blocks={m!r}; accepted: an integer >= 1, or None to never move tokens")
 
+    @property
+    def static_hole_blocks(self) -> int | None:
+        return self.max_hole_blocks  # holes reaching it are packed, in static mode too
+
     def compact(self, store: LayerStore, view: StoreView, keep: torch.Tensor) -> None:
         if keep.shape != view.valid.shape:
             raise ValueError(f"keep mask shape {tuple(keep.shape)} differs from the view's {tuple(view.valid.shape)}")
         if store.static:  # static decode: holes marked with fixed shapes and no host read
-            store.compact_static(view, keep & view.valid, in_place=True)
+            store.compact_static(view, keep & view.valid, in_place=True, max_hole_blocks=self.max_hole_blocks)
             return
         if bool((keep & ~view.valid).any()):
             raise ValueError("keep mask selects empty slots")

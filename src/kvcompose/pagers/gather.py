@@ -23,6 +23,8 @@ from .base import Pager
 class GatherPager(Pager):
     """Copy kept tokens into fresh blocks and free the old ones (vLLM-style compaction)."""
 
+    static_hole_blocks = 0  # compaction leaves no holes
+
     def compact(self, store: LayerStore, view: StoreView, keep: torch.Tensor) -> None:
         if keep.shape != view.valid.shape:
             raise ValueError(f"keep mask shape {tuple(keep.shape)} differs from the view's {tuple(view.valid.shape)}")

@@ -32,6 +32,9 @@ class Region:
         # state changes in place, and a row that outgrows its table sets ``overflow``.
         self.static = False
         self.overflow = torch.zeros((), dtype=torch.int32, device=device)
+        # Static mode, regions that share a pool: the rows' free blocks they all draw from
+        # (:mod:`~kvcompose.paging.row_reserve`); the table then holds a row's blocks so far, -1 after.
+        self.reserve = None
 
     def place(self, mask: torch.Tensor, slots: dict, groups: dict, meta: dict) -> None:
         """Write tokens into each row's blocks, in order: first into holes left by in-place eviction, then appended.
@@ -44,6 +47,9 @@ class Region:
         count = mask.sum(1)
         pool = self.pool
         bs, g = pool.block_size, pool.codec.group_tokens
+        if self.reserve is not None:
+            raise ValueError(f"region {self.name!r} draws blocks from a shared reserve; static mode writes it with "
+                             "claim_aligned")
         if not self.static:
             if not bool(count.any()):
                 return
@@ -78,8 +84,9 @@ class Region:
         depend on the mask and nothing reads the device, so a captured graph can replay it; the
         caller writes the tokens (:meth:`BlockPool.write`), together with other regions of the pool."""
         valid = self.pool.flat_slots(self.pool.meta)["valid"]
+        reserve = None if self.reserve is None else (self.reserve.ids, self.reserve.count)
         return claim_slots(self.table, self.length, self.num_blocks, valid, mask, self.pool.trash_slot,
-                           self.overflow, self.pool.block_size)
+                           self.overflow, self.pool.block_size, reserve)
 
     def _holes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty slots inside each row's written range: pool slots ``[B, n]`` (in block order) and counts ``[B]``."""
@@ -110,9 +117,12 @@ class Region:
         from its first block."""
         ids = self.table[rows]
         if self.static:
-            ids = ids.reshape(-1)
+            ids = torch.where(ids >= 0, ids, self.pool.trash_slot // self.pool.block_size).reshape(-1)
             self.pool.meta["valid"][ids] = False
             self.pool.meta["pos"][ids] = -1
+            if self.reserve is not None:  # the blocks go back to the rows' reserve
+                self.reserve.push(self.table, rows[:, None] & (self.table >= 0))
+                self.table.masked_fill_(rows[:, None], -1)
         else:
             self.pool.release(ids[ids >= 0])
             self.table[rows] = -1
@@ -171,18 +181,22 @@ class Region:
             flat[src] = empty_value(name)
         self.release_empty_blocks()
 
-    def fix_width(self, width: int) -> None:
+    def fix_width(self, width: int, reserve=None) -> None:
         """Static mode: give every row ``width`` blocks now (keeping the ones it has; table
         columns beyond ``width`` that no row uses go), so that appends never allocate, and keep
-        all state in these tensors from now on."""
+        all state in these tensors from now on. With a ``reserve`` (a
+        :class:`~kvcompose.paging.row_reserve.RowReserve` the pool's regions share), the table
+        is only ``width`` wide: rows take blocks from the reserve as they need them."""
         width = self.fixed_width(width)
         if width < self.table.shape[1]:
             self.table = self.table[:, :width].contiguous()  # columns the prefill emptied (eviction)
         if width > self.table.shape[1]:
             pad = torch.full((self.batch_size, width - self.table.shape[1]), -1, dtype=torch.long, device=self.device)
             self.table = torch.cat([self.table, pad], dim=1)
-        missing = self.table < 0
-        self.table[missing] = self.pool.allocate(int(missing.sum()))
+        self.reserve = reserve
+        if reserve is None:
+            missing = self.table < 0
+            self.table[missing] = self.pool.allocate(int(missing.sum()))
         self.static = True
 
     def width_to_come(self, width: int, incoming: int | None) -> int:

@@ -15,6 +15,7 @@ import torch
 from ..ops.append_token import append_token
 from ..ops.evict_one import evict_one_in_place
 from .pool import decoded_slots, empty_value
+from .row_reserve import RowReserve, pack_holes, release_empty_blocks
 
 if TYPE_CHECKING:
     from .store import StoreView
@@ -23,14 +24,20 @@ if TYPE_CHECKING:
 class StoreStatic:
     """Fixed-capacity append, flush and eviction of a :class:`~kvcompose.paging.store.LayerStore`."""
 
-    def fix_capacity(self, tokens: int, columns_limit: int | None = None) -> None:
+    def fix_capacity(self, tokens: int, columns_limit: int | None = None, hole_blocks: int | None = None) -> None:
         """Enter static mode: every region of every row gets blocks for ``tokens`` tokens now,
         and from then on :meth:`append_step` appends one token per row with fixed shapes, in place,
         without host synchronization: what a captured CUDA graph replays. ``columns_limit``: the
         most columns the run will have appended (evictors that keep per-segment state size it
         from this instead of reading the device); it also bounds what each region can still
         receive, so a region that holds little of a long prompt (ThinKV's classes) reserves
-        what it holds plus the tokens still to come, not ``tokens``."""
+        what it holds plus the tokens still to come, not ``tokens``.
+
+        ``hole_blocks``: the most blocks beyond its live tokens that a class of a row keeps after
+        an eviction (the pager's bound: 0 when nothing is evicted or evictions compact, None when
+        holes are not bounded). Given, regions that share a pool draw from one reserve per row
+        (:mod:`~kvcompose.paging.row_reserve`) of ``tokens`` plus ``hole_blocks + 1`` blocks per
+        region, instead of ``tokens`` each."""
         if self.static:
             raise ValueError("this store is already in static mode")
         incoming = None if columns_limit is None else columns_limit - self.columns_seen + self.buffer_capacity
@@ -39,10 +46,14 @@ class StoreStatic:
             regions = [r for r in self.regions if r.pool is pool]
             width = -(-tokens // pool.block_size)
             widths = [r.fixed_width(r.width_to_come(width, incoming)) for r in regions]
-            need = sum(w * self.batch_size - int((r.table[:, :w] >= 0).sum()) for w, r in zip(widths, regions))
-            pool.fix_capacity(need)
+            if len(regions) > 1 and hole_blocks is not None and pool.refs is None:
+                reserve = self._row_reserve(pool, regions, min(sum(widths), width + len(regions) * (hole_blocks + 1)))
+            else:
+                reserve = None
+                pool.fix_capacity(sum(w * self.batch_size - int((r.table[:, :w] >= 0).sum())
+                                      for w, r in zip(widths, regions)))
             for region, w in zip(regions, widths):
-                region.fix_width(w)
+                region.fix_width(w, reserve)
         self._grow_buffer(self.buffer_capacity)
         # each row's next column (equal across rows): the append kernel advances them itself
         self.column = torch.full((self.batch_size,), self.columns_seen, dtype=torch.long, device=self.device)
@@ -53,6 +64,15 @@ class StoreStatic:
         # flushes look for a row's first encode
         self.scales_pending = {name: bool(scales) and not bool(self.row_scales_set[name].all())
                                for name, scales in self.row_scales.items()}
+
+    def _row_reserve(self, pool, regions: list, blocks: int) -> RowReserve:
+        """The reserve of ``blocks`` blocks per row (or what a row already holds, if more) that
+        the ``regions`` of ``pool`` share: each row's free ones, taken from the pool now."""
+        held = sum((r.table >= 0).sum(1) for r in regions)
+        blocks = max(blocks, int(held.max()))
+        free = blocks - held
+        pool.fix_capacity(int(free.sum()))
+        return RowReserve.fill(pool.allocate(int(free.sum())), free, blocks)
 
     def append_step(self, keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, flush: bool,
                     query_ring: tuple | None = None) -> torch.Tensor:
@@ -136,14 +156,17 @@ class StoreStatic:
             meta["valid"].index_fill_(0, target, False)
             meta["pos"].index_fill_(0, target, -1)
 
-    def compact_static(self, view: StoreView, keep: torch.Tensor, in_place: bool) -> None:
+    def compact_static(self, view: StoreView, keep: torch.Tensor, in_place: bool,
+                       max_hole_blocks: int | None = None) -> None:
         """Static mode: what a pager does after an eviction, with fixed shapes and no host read.
 
         ``in_place`` (the ``ct`` pager): evicted slots become holes that later tokens of their
         region refill. Otherwise (``gather``): each row's kept tokens of each region move, in
         column order, to the row's first slots, as the eager pager's compaction leaves them.
-        ``view`` must come from :meth:`view` in static mode (every region's whole table). An
-        eviction that removed anything counts in ``evictions_on_device``."""
+        Regions that share a row reserve then give their emptied blocks back, after packing the
+        rows whose holes reach ``max_hole_blocks`` blocks (in place; None: never), as the eager
+        ``ct`` pager does. ``view`` must come from :meth:`view` in static mode (every region's
+        whole table). An eviction that removed anything counts in ``evictions_on_device``."""
         self.evictions_on_device += (view.valid & ~keep).any()
         col = 0
         for region in self.regions:
@@ -153,30 +176,42 @@ class StoreStatic:
             bs = pool.block_size
             width = region.table.shape[1] * bs
             phys, kept = view.phys[:, col:col + width], keep[:, col:col + width]
+            valid = view.valid[:, col:col + width]
             col += width
-            if in_place:
-                target = torch.where(view.valid[:, col - width:col] & ~kept, phys, pool.trash_slot).reshape(-1)
+            if in_place:  # one value per slot: through the trash slot is faster than fill_slots (compaction_gpu.json)
+                target = torch.where(valid & ~kept, phys, pool.trash_slot).reshape(-1)
                 for name, flat in pool.flat_slots(pool.meta).items():
                     flat.index_fill_(0, target, empty_value(name))
-                continue
-            if pool.codec.group_tokens > 1:
-                raise ValueError(f"format {pool.codec.name!r} encodes {pool.codec.group_tokens} tokens together; "
-                                 "its tokens cannot be compacted one at a time")
-            order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)
-            source = phys.gather(1, order).reshape(-1)
-            count = kept.sum(1)
-            live = (torch.arange(width, device=self.device)[None, :] < count[:, None]).reshape(-1)
-            dest = phys.reshape(-1)
-            for tensors in (pool.slots, pool.meta):
-                for name, flat in pool.flat_slots(tensors).items():
-                    moved = flat[source]  # read every source before writing any destination
-                    if tensors is pool.meta:
-                        empty = torch.full_like(moved, empty_value(name))
-                        moved = torch.where(live, moved, empty)
-                    flat[dest] = moved
-            region.length.copy_(count)
-            region.num_blocks.copy_((count + bs - 1) // bs)
+            else:
+                self._compact_region(region, phys, kept)
+            if region.reserve is not None:
+                release_empty_blocks(region)
+                if in_place and max_hole_blocks is not None:
+                    pack_holes(region, max_hole_blocks * bs)
         self._repack_buffer(keep[:, col:])
+
+    def _compact_region(self, region, phys: torch.Tensor, kept: torch.Tensor) -> None:
+        """:meth:`compact_static` without ``in_place``: the region's kept tokens of each row move,
+        in column order, to the row's first slots (``phys``: the view's pool slots, -1 for none)."""
+        pool, bs, width = region.pool, region.pool.block_size, phys.shape[1]
+        if pool.codec.group_tokens > 1:
+            raise ValueError(f"format {pool.codec.name!r} encodes {pool.codec.group_tokens} tokens together; "
+                             "its tokens cannot be compacted one at a time")
+        phys = torch.where(phys >= 0, phys, pool.trash_slot)  # a reserve's rows hold no block past their last
+        order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)
+        source = phys.gather(1, order).reshape(-1)
+        count = kept.sum(1)
+        live = (torch.arange(width, device=self.device)[None, :] < count[:, None]).reshape(-1)
+        dest = phys.reshape(-1)
+        for tensors in (pool.slots, pool.meta):
+            for name, flat in pool.flat_slots(tensors).items():
+                moved = flat[source]  # read every source before writing any destination
+                if tensors is pool.meta:
+                    empty = torch.full_like(moved, empty_value(name))
+                    moved = torch.where(live, moved, empty)
+                flat[dest] = moved
+        region.length.copy_(count)
+        region.num_blocks.copy_((count + bs - 1) // bs)
 
     def evict_one(self, **choice) -> torch.Tensor:
         """Static mode, one region: each row over ``choice["budget"]`` drops one token where it

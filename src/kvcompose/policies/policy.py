@@ -255,6 +255,16 @@ class Policy:
         return self.classifier is None or self.classifier.graph_safe
 
     @property
+    def static_hole_blocks(self) -> int | None:
+        """The most blocks beyond its live tokens that a class of a row keeps between static
+        decode steps (what lets the classes of one pool share a row's reserve; see
+        :meth:`~kvcompose.paging.LayerStore.fix_capacity`): 0 without eviction, the pager's bound
+        with one, None where nothing bounds it (in-place evictors leave holes they never pack)."""
+        if self.evictor is None:
+            return 0
+        return None if self.evicts_in_place else self.pager.static_hole_blocks
+
+    @property
     def evicts_in_place(self) -> bool:
         """Whether static decode evicts inside the captured step: the evictor reads only
         positions and slot channels (StreamingLLM's window, H2O), so its trigger and selection

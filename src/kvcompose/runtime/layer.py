@@ -195,7 +195,7 @@ class LayerRuntime:
         """Static mode for this layer: the store's capacity, and a full query window (empty
         entries at the front carry position -1, as padding does) turned into a ring: the
         query of column ``c`` at slot ``c % W``."""
-        self.store.fix_capacity(tokens, columns_limit)
+        self.store.fix_capacity(tokens, columns_limit, self.cache.policy.static_hole_blocks)
         window = self.cache.policy.query_window
         if window > 0 and self.queries is not None:
             missing = window - self.queries.shape[2]
