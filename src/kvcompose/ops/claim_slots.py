@@ -61,7 +61,8 @@ def _claim_slots_kernel(table_ptr, length_ptr, blocks_ptr, valid_ptr, mask_ptr, 
         fresh_id = tl.load(free_ptr + b * S1 + tl.maximum(free - 1 - taken, 0), mask=inside & (taken >= 0) & got,
                            other=0)
         slot = tl.where(taken >= 0, tl.where(got, fresh_id * BS + logical % BS, trash), slot)
-        tl.store(free_count_ptr + b, free - tl.minimum(tl.maximum(grow, 0), free))
+        tl.debug_barrier()  # every thread has read the count before it changes
+        tl.store(free_count_ptr + b, free - tl.minimum(tl.minimum(tl.maximum(grow, 0), free), W - owned))
     into_hole = rank < n_holes
     hole_slot = tl.load(holes_ptr + b * N + tl.maximum(rank, 0), mask=take & into_hole, other=0)
     slot = tl.where(take, tl.where(into_hole, hole_slot, slot), trash)
@@ -145,7 +146,7 @@ def _take_from_reserve(table, length, end, block, offset, slot, reserve, trash: 
     taken = block - owned[:, None]
     got = (taken < count[:, None]) & (block < width)
     fresh_id = ids.gather(1, (count[:, None] - 1 - taken).clamp(min=0, max=ids.shape[1] - 1))
-    count.sub_(torch.minimum(grow.clamp(min=0), count))
+    count.sub_(torch.minimum(torch.minimum(grow.clamp(min=0), count), width - owned))  # the blocks put in the table
     return torch.where(taken >= 0, torch.where(got, fresh_id * bs + offset, trash), slot)
 
 

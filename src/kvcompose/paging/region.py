@@ -121,7 +121,7 @@ class Region:
             self.pool.meta["valid"][ids] = False
             self.pool.meta["pos"][ids] = -1
             if self.reserve is not None:  # the blocks go back to the rows' reserve
-                self.reserve.push(self.table, rows[:, None] & (self.table >= 0))
+                self.reserve.push(self.table, rows[:, None] & (self.table >= 0), self.overflow)
                 self.table.masked_fill_(rows[:, None], -1)
         else:
             self.pool.release(ids[ids >= 0])

@@ -45,8 +45,10 @@ class RowReserve:
     def width(self) -> int:
         return self.ids.shape[1] - 1
 
-    def push(self, blocks: torch.Tensor, mask: torch.Tensor) -> None:
-        """Put the ``mask``-selected ids of ``blocks`` (``[B, W]``) on their rows' stacks."""
+    def push(self, blocks: torch.Tensor, mask: torch.Tensor, overflow: torch.Tensor) -> None:
+        """Put the ``mask``-selected ids of ``blocks`` (``[B, W]``) on their rows' stacks; a row
+        that would hold more ids than it has blocks (a kvcompose bug) sets ``overflow``."""
+        overflow |= (self.count + mask.sum(1) > self.width).any().to(overflow.dtype)
         rank = mask.cumsum(1) - 1
         column = torch.where(mask, self.count[:, None] + rank, self.width).clamp(max=self.width)
         self.ids.scatter_(1, column, torch.where(mask, blocks, -1))
@@ -67,7 +69,7 @@ def release_empty_blocks(region: Region) -> None:
     empty = owned & ~live
     cols = torch.arange(table.shape[1], device=table.device)[None, :]
     written = (region.length[:, None] - cols * bs).clamp(min=0, max=bs)
-    region.reserve.push(table, empty)
+    region.reserve.push(table, empty, region.overflow)
     region.length -= (written * empty).sum(1)
     region.num_blocks.copy_((owned & ~empty).sum(1))
     order = torch.argsort(empty.to(torch.int8), dim=1, stable=True)  # kept blocks first, in order

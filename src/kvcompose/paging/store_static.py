@@ -227,6 +227,7 @@ class StoreStatic:
         shape and dtype, the trash slots, the pools whose flushes still fix scales, the column counts): two stores with equal layouts
         run the same compiled kernels."""
         tensors = [self.buf_k, *self.buf_meta.values()] + [r.table for r in self.regions]
+        tensors += [r.reserve.ids for r in self.regions if r.reserve is not None]
         for pool in self.pools.values():
             tensors += [*pool.slots.values(), *pool.blocks.values(), *pool.meta.values()]
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
