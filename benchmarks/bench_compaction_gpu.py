@@ -1,7 +1,7 @@
 """Time one static ``ct`` compaction of one ThinKV layer, and what its pools allocate.
 
     python benchmarks/bench_compaction_gpu.py --out benchmarks/results/compaction_gpu.json
-    python benchmarks/bench_compaction_gpu.py --smoke          # tiny shapes, CPU + Triton interpreter
+    python benchmarks/bench_compaction_gpu.py --smoke          # tiny shapes, unquantized, CPU
 
 A ThinKV store (R and E in one NVFP4 pool, T in a ternary pool; 8 KV heads, head dim 128,
 bf16) holds ``--tokens`` random tokens per row of three random classes and enters static mode
@@ -36,7 +36,7 @@ from kvcompose.pagers import ContinuousThinkingPager  # noqa: E402
 from kvcompose.paging import row_reserve, store_static  # noqa: E402
 
 FULL = dict(batch=656, tokens=1104, capacity=1200, heads=8, head_dim=128, reps=2)
-SMOKE = dict(batch=3, tokens=40, capacity=48, heads=2, head_dim=64, reps=1)
+SMOKE = dict(batch=3, tokens=150, capacity=160, heads=2, head_dim=64, reps=1)  # room for 10 blocks a class
 CALLERS = (store_static, row_reserve)  # the modules that call the slot writes
 
 
@@ -50,8 +50,10 @@ def use_writes(backend: str | None) -> None:
 
 
 def build(shape: dict, device: str, hole_blocks: int | None):
-    store = Policy.from_preset("thinkv").make_store(shape["batch"], shape["heads"], shape["head_dim"],
-                                                    torch.bfloat16, torch.device(device))
+    # --smoke: the classes unquantized (one pool), so the CPU check needs no interpreted quantizer
+    overrides = {"precision": {"R": None, "E": None, "T": None}} if shape is SMOKE else {}
+    store = Policy.from_preset("thinkv", **overrides).make_store(shape["batch"], shape["heads"], shape["head_dim"],
+                                                                 torch.bfloat16, torch.device(device))
     g = torch.Generator(device=device).manual_seed(0)
     size = (shape["batch"], shape["heads"], shape["tokens"], shape["head_dim"])
     keys = torch.randn(size, device=device, dtype=torch.bfloat16, generator=g)
@@ -96,7 +98,8 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SMOKE if args.smoke else FULL
     records = []
-    for reserve, hole_blocks, writes in (("per_class", None, "torch"), ("shared", 1, "torch"), ("shared", 1, "kernels")):
+    variants = (("per_class", None, "torch"), ("shared", 1, "torch"), ("shared", 1, "kernels"))
+    for reserve, hole_blocks, writes in variants:
         use_writes("torch" if writes == "torch" else None)
         ms, allocated = time_compaction(shape, device, hole_blocks)
         records.append(dict(reserve=reserve, writes=writes, ms_per_layer=ms, allocated_bytes_per_layer=allocated,
