@@ -417,7 +417,7 @@ def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pag
     eager pager after the same eviction, with fixed shapes and no host synchronization. With a
     row reserve (``holes`` given), the two classes' regions share their pool's blocks: ``ct``
     packs the rows whose holes reach a block and both give emptied blocks back, so the regions
-    hold what the eager pager leaves them."""
+    hold what the eager pager leaves them, and the static view spans the reserve once."""
     from kvcompose.pagers import ContinuousThinkingPager, GatherPager
     from kvcompose.paging import DenseCodec, LayerStore
 
@@ -444,6 +444,9 @@ def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pag
     make().compact(eager, eager.view(), keep_for(eager.view()))
     view = static.view()
     keep = keep_for(view)
+    # regions that share a reserve share their view's columns: the reserve's width, not each table's
+    widths = sum(r.table.shape[1] for r in static.regions)
+    assert view.block_columns == 4 * (widths if shared is None else shared.width) < 4 * widths + (shared is None)
     with no_host_sync():
         make().compact(static, view, keep)
 

@@ -34,7 +34,8 @@ class StoreView:
     """Dense snapshot of one layer: what attention and evictors read.
 
     Columns are each region's block slots, in region order, followed by the buffer
-    slots. Live tokens of the buffer, and of a region under the ``gather`` pager, are
+    slots; in static mode the regions that share a row reserve share their columns
+    (:meth:`LayerStore.view_tables`). Live tokens of the buffer, and of a region under the ``gather`` pager, are
     in position order; under ``ct`` a region's refilled holes break that order.
     ``source[b, j]`` locates column ``j``: ``(region index, pool slot)``, with region
     index ``-1`` for buffer columns.
@@ -261,9 +262,7 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
         score keys: no value payload is gathered or decoded."""
         B = self.batch_size
         parts = []
-        for index, region in enumerate(self.regions):
-            table = region.table if self.static else region.used_table()  # static: no host read of the width
-            pool = region.pool
+        for pool, table, owner, _ in self.view_tables():
             bs, W = pool.block_size, table.shape[1]
             ids = table.clamp(min=0).reshape(-1)
             wanted = set(pool.slots) | set(pool.blocks)
@@ -287,7 +286,7 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
                 k.reshape(B, W * bs, *k.shape[2:]).to(self.dtype),
                 None if v is None else v.reshape(B, W * bs, *v.shape[2:]).to(self.dtype),
                 torch.where(inside, meta["pos"], -1), meta["valid"] & inside,
-                torch.full_like(phys, index), phys,
+                torch.full_like(phys, owner) if isinstance(owner, int) else owner.repeat_interleave(bs, 1), phys,
             ))
         cap = self.buf_k.shape[1]
         buffer = (self.buf_k, self.buf_v if values else None, self.buf_meta["pos"], self.buf_meta["valid"],

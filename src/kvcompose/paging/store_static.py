@@ -165,16 +165,15 @@ class StoreStatic:
         column order, to the row's first slots, as the eager pager's compaction leaves them.
         Regions that share a row reserve then give their emptied blocks back, after packing the
         rows whose holes reach ``max_hole_blocks`` blocks (in place; None: never), as the eager
-        ``ct`` pager does. ``view`` must come from :meth:`view` in static mode (every region's
-        whole table). An eviction that removed anything counts in ``evictions_on_device``."""
+        ``ct`` pager does. ``view`` must come from :meth:`view` in static mode (the parts of
+        :meth:`view_tables`). An eviction that removed anything counts in ``evictions_on_device``."""
         self.evictions_on_device += (view.valid & ~keep).any()
         col = 0
-        for region in self.regions:
-            pool = region.pool
+        for pool, table, _, members in self.view_tables():
             if not pool.codec.slot_local:
                 raise ValueError(f"format {pool.codec.name!r} shares scales across tokens; it cannot be evicted from")
             bs = pool.block_size
-            width = region.table.shape[1] * bs
+            width = table.shape[1] * bs
             phys, kept = view.phys[:, col:col + width], keep[:, col:col + width]
             valid = view.valid[:, col:col + width]
             col += width
@@ -183,12 +182,68 @@ class StoreStatic:
                 for name, flat in pool.flat_slots(pool.meta).items():
                     flat.index_fill_(0, target, empty_value(name))
             else:
-                self._compact_region(region, phys, kept)
-            if region.reserve is not None:
-                release_empty_blocks(region)
-                if in_place and max_hole_blocks is not None:
-                    pack_holes(region, max_hole_blocks * bs)
+                for region, (own_phys, own_kept) in zip(members, self._own_columns(members, phys, kept)):
+                    self._compact_region(region, own_phys, own_kept)
+            for region in members:
+                if region.reserve is not None:
+                    release_empty_blocks(region)
+                    if in_place and max_hole_blocks is not None:
+                        pack_holes(region, max_hole_blocks * bs)
         self._repack_buffer(keep[:, col:])
+
+    def view_tables(self) -> list[tuple]:
+        """What :meth:`view` decodes, part by part: ``(pool, block table [B, W], region index of
+        each block (an int for the whole table, or ``[B, W]``), regions)``. Each region's table,
+        but in static mode the regions that share a row reserve make one part: their blocks in
+        region order, within the reserve's width, which bounds what a row holds of them. One
+        table each would span that width once per region (ThinKV's R and E: twice the keys an
+        eviction decodes and copies)."""
+        if not self.static:
+            return [(r.pool, r.used_table(), i, [r]) for i, r in enumerate(self.regions)]
+        parts, shared = [], {}
+        for i, region in enumerate(self.regions):
+            if region.reserve is None:
+                parts.append((region.pool, region.table, i, [region]))
+            elif id(region.reserve) in shared:
+                shared[id(region.reserve)][1].append(i)
+            else:
+                shared[id(region.reserve)] = (len(parts), [i])
+                parts.append(None)
+        for at, indexes in shared.values():
+            parts[at] = self._shared_table(indexes)
+        return parts
+
+    def _shared_table(self, indexes: list[int]) -> tuple:
+        """:meth:`view_tables`' part of the regions ``indexes``, which share one row reserve."""
+        regions = [self.regions[i] for i in indexes]
+        width = regions[0].reserve.width
+        tables = torch.cat([r.table for r in regions], 1)
+        owners = torch.cat([torch.full_like(r.table, i) for i, r in zip(indexes, regions)], 1)
+        owned = tables >= 0  # a row's first blocks of each region (the static table's invariant)
+        # a row's blocks come from its reserve of `width` ids, so they fit; the rest go to a sink column
+        column = torch.where(owned, owned.cumsum(1) - 1, width)
+        table = torch.full((self.batch_size, width + 1), -1, dtype=tables.dtype, device=self.device)
+        owner = torch.full_like(table, indexes[0])
+        table.scatter_(1, column, torch.where(owned, tables, -1))
+        owner.scatter_(1, column, torch.where(owned, owners, indexes[0]))
+        return regions[0].pool, table[:, :width], owner[:, :width], regions
+
+    def _own_columns(self, regions: list, phys: torch.Tensor, kept: torch.Tensor) -> list[tuple]:
+        """``(phys, kept)`` of each of ``regions`` in its own table's columns, from those of their
+        :meth:`view_tables` part (the same tensors for a region alone): the blocks of a shared
+        part are the regions' blocks in region order. Computed before any region changes."""
+        if len(regions) == 1:
+            return [(phys, kept)]
+        bs = regions[0].pool.block_size
+        out, start = [], torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        for region in regions:
+            held = (region.table >= 0).sum(1)
+            col = torch.arange(region.table.shape[1] * bs, device=self.device)
+            inside = (col // bs)[None, :] < held[:, None]
+            source = (start[:, None] * bs + col[None, :]).clamp(max=phys.shape[1] - 1)
+            out.append((torch.where(inside, phys.gather(1, source), -1), kept.gather(1, source) & inside))
+            start = start + held
+        return out
 
     def _compact_region(self, region, phys: torch.Tensor, kept: torch.Tensor) -> None:
         """:meth:`compact_static` without ``in_place``: the region's kept tokens of each row move,
