@@ -12,7 +12,9 @@ share a reserve per row (``shared``: it also packs holes and gives emptied block
 packing's slot writes go through the pool's trash slot in torch ops (``torch``) or through
 the kernels of ``kvcompose.ops.scatter_slots`` (``kernels``). Each variant builds a fresh
 store per repetition (a compaction changes it) and records the fastest of the repetitions in
-milliseconds (CUDA events), and the bytes its pools allocate. (The first recorded run also
+milliseconds (CUDA events around the eager call, the host's launches included), the GPU time
+of its kernels alone (``kernel_ms_per_layer``, ``torch.profiler``: what a captured eviction
+step pays; None on the CPU), and the bytes its pools allocate. (The first recorded run also
 routed the marking's writes through the kernels: ``per_class`` ``kernels``.)
 """
 
@@ -63,8 +65,26 @@ def build(shape: dict, device: str, hole_blocks: int | None):
     return store
 
 
+def kernel_ms(shape: dict, hole_blocks: int | None) -> float:
+    """GPU milliseconds of the kernels of one more compaction (``torch.profiler``): what a
+    captured eviction step pays, where the CUDA-event time of an eager call also holds the
+    host's launch time between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    store = build(shape, "cuda", hole_blocks)
+    view = store.view(values=False)
+    keep = view.valid & (view.positions % 3 != 0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ContinuousThinkingPager(max_hole_blocks=1).compact(store, view, keep)
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+
+
 def time_compaction(shape: dict, device: str, hole_blocks: int | None) -> tuple[float, int]:
-    """Fastest of ``reps`` compactions (ms) and the pools' allocated bytes."""
+    """Fastest of ``reps`` compactions (ms, CUDA events around an eager call) and the pools'
+    allocated bytes."""
     best, allocated = float("inf"), 0
     for _ in range(shape["reps"] + 1):  # the first also compiles the kernels
         store = build(shape, device, hole_blocks)
@@ -102,9 +122,11 @@ def main(argv=None) -> int:
     for reserve, hole_blocks, writes in variants:
         use_writes("torch" if writes == "torch" else None)
         ms, allocated = time_compaction(shape, device, hole_blocks)
-        records.append(dict(reserve=reserve, writes=writes, ms_per_layer=ms, allocated_bytes_per_layer=allocated,
-                            **{k: shape[k] for k in ("batch", "tokens", "capacity")}))
-        print(f"{reserve:>9} {writes:>8} {ms:8.2f} ms {allocated / 2**20:9.1f} MiB", flush=True)
+        kernels = kernel_ms(shape, hole_blocks) if device == "cuda" else None
+        records.append(dict(reserve=reserve, writes=writes, ms_per_layer=ms, kernel_ms_per_layer=kernels,
+                            allocated_bytes_per_layer=allocated, **{k: shape[k] for k in ("batch", "tokens", "capacity")}))
+        print(f"{reserve:>9} {writes:>8} {ms:8.2f} ms" + ("" if kernels is None else f" ({kernels:.2f} ms of kernels)")
+              + f" {allocated / 2**20:9.1f} MiB", flush=True)
     use_writes(None)
     if args.out:
         append_run(args.out, {"benchmark": "compaction", "smoke": args.smoke, "records": records}, environment())
