@@ -410,14 +410,17 @@ def test_graph_replay_gives_the_eager_static_tokens(preset):
     assert again.warm_ups == 0 and again.warmed_before == warmed.warm_ups
 
 
-@pytest.mark.parametrize("pager,holes", [("gather", None), ("ct", None), ("gather", 0), ("ct", 1)],
-                         ids=["gather", "ct", "gather-reserve", "ct-reserve"])
-def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pager, holes):
+@pytest.mark.parametrize("pager,holes,run", [("gather", None, 0), ("ct", None, 0), ("gather", 0, 0), ("ct", 1, 0),
+                                              ("ct", 1, 16)],
+                         ids=["gather", "ct", "gather-reserve", "ct-reserve", "ct-reserve-empty-blocks"])
+def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pager, holes, run):
     """Both pagers in static mode: the same kept tokens (positions, keys, values, classes) as the
     eager pager after the same eviction, with fixed shapes and no host synchronization. With a
     row reserve (``holes`` given), the two classes' regions share their pool's blocks: ``ct``
     packs the rows whose holes reach a block and both give emptied blocks back, so the regions
-    hold what the eager pager leaves them, and the static view spans the reserve once."""
+    hold what the eager pager leaves them, and the static view spans the reserve once. ``run``:
+    drop the first ``run`` positions and most after them, so that whole blocks are empty before
+    the packing."""
     from kvcompose.pagers import ContinuousThinkingPager, GatherPager
     from kvcompose.paging import DenseCodec, LayerStore
 
@@ -438,7 +441,9 @@ def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pag
     assert (shared is not None) == (holes is not None) and static.regions[1].reserve is shared
     free_before = None if shared is None else shared.count.clone()
 
-    def keep_for(view):  # drop every position divisible by 3 (same rule on both layouts)
+    def keep_for(view):  # the same rule on both layouts: drop every third position, or the first `run` and
+        if run:  # two of three after them (whole blocks empty, and rows with a block of holes to pack)
+            return view.valid & (view.positions >= run) & (view.positions % 3 == 1)
         return view.valid & (view.positions % 3 != 0)
 
     make().compact(eager, eager.view(), keep_for(eager.view()))

@@ -80,20 +80,23 @@ def pack_holes(region: Region, max_holes: int) -> None:
     """Static mode: in every row whose holes in ``region`` reach ``max_holes``, the tokens written
     last move into the earliest holes, so the row's live tokens fill its first slots (the eager
     :meth:`Region.pack_holes`: the k-th token past the live count goes to the k-th hole), with
-    fixed shapes (:func:`~kvcompose.ops.scatter_slots.copy_slots`); the emptied blocks are then
-    given back (:func:`release_empty_blocks`)."""
+    fixed shapes (:func:`~kvcompose.ops.scatter_slots.copy_slots`); then every block without a
+    live token goes back (:func:`release_empty_blocks`). Blocks that were empty before count
+    as given back already (the eager pager releases them first), so one release does both."""
     pool, table = region.pool, region.table
     if table.shape[1] == 0:
         return
-    trash = pool.trash_slot
-    phys = torch.where((table >= 0).repeat_interleave(pool.block_size, 1), slot_map(table, pool.block_size), trash)
+    trash, bs = pool.trash_slot, pool.block_size
+    phys = torch.where((table >= 0).repeat_interleave(bs, 1), slot_map(table, bs), trash)
     col = torch.arange(phys.shape[1], device=phys.device)[None, :]
-    written = col < region.length[:, None]
-    valid = pool.flat_slots(pool.meta)["valid"][phys] & written
+    valid = pool.flat_slots(pool.meta)["valid"][phys] & (col < region.length[:, None])
+    # the written slots of blocks that hold a live token, and their columns once the others are gone
+    present = (col < region.length[:, None]) & valid.view(*table.shape, bs).any(-1).repeat_interleave(bs, 1)
+    rank = present.cumsum(1) - 1
     live = valid.sum(1)
-    rows = (region.length - live) >= max_holes
-    hole = rows[:, None] & (col < live[:, None]) & ~valid
-    moving = rows[:, None] & valid & (col >= live[:, None])
+    rows = (present.sum(1) - live) >= max_holes
+    hole = rows[:, None] & present & (rank < live[:, None]) & ~valid
+    moving = rows[:, None] & valid & (rank >= live[:, None])
     n = phys.shape[1]
     by_rank = torch.full((phys.shape[0], n + 1), trash, dtype=torch.long, device=phys.device)
     by_rank.scatter_(1, torch.where(hole, hole.cumsum(1) - 1, n), torch.where(hole, phys, trash))

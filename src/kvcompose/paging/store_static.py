@@ -185,10 +185,12 @@ class StoreStatic:
                 for region, (own_phys, own_kept) in zip(members, self._own_columns(members, phys, kept)):
                     self._compact_region(region, own_phys, own_kept)
             for region in members:
-                if region.reserve is not None:
+                if region.reserve is None:
+                    continue
+                if in_place and max_hole_blocks is not None:
+                    pack_holes(region, max_hole_blocks * bs)  # gives every empty block back too
+                else:
                     release_empty_blocks(region)
-                    if in_place and max_hole_blocks is not None:
-                        pack_holes(region, max_hole_blocks * bs)
         self._repack_buffer(keep[:, col:])
 
     def view_tables(self) -> list[tuple]:
