@@ -212,9 +212,10 @@ def run_entry(records: list[dict], run: str | None, date: str, smoke: bool = Fal
 
 def run_scenario(model, scenario: str, shape: dict, names: list[str], args, copy: float,
                  saved=lambda rows: None) -> list[dict]:
-    """The baseline, then each policy, on ``shape``; both sides time the same steps: every new
-    token in a, b and long, the first ``--window`` in c (at each side's own batch). Every record
-    gets its floor at ``copy`` TB/s and its ratios to the baseline and to fullkv."""
+    """The baseline, then fullkv if asked, then the other policies in order, on ``shape``; both
+    sides time the same steps: every new token in a, b and long, the first ``--window`` in c (at
+    each side's own batch). Every record gets its floor at ``copy`` TB/s and its ratios to the
+    baseline and to fullkv."""
     prompt, new, budget = shape["prompt"], shape["new"], shape["budget"]
     fixed_memory = scenario == "c" and not args.smoke
     rows = []
@@ -229,7 +230,7 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args, copy
     rows.append(base)
     print(json.dumps(base), flush=True)
     saved(rows)
-    for name in names:
+    for name in sorted(names, key=lambda n: n != "fullkv"):  # the reference first: a run cut short keeps it
         policy = make_policy(name, budget, args.smoke)
         try:
             if fixed_memory:

@@ -110,7 +110,8 @@ def test_fixed_memory_times_the_same_window_on_both_sides(bench, monkeypatch):
     monkeypatch.setattr(bench, "fit_policy", fit_policy)
     monkeypatch.setattr(bench, "make_policy", lambda name, budget, smoke: name)
     args = argparse.Namespace(smoke=False, memory_gib=70.0, window=768, oom_retries=4)
-    rows = bench.run_scenario(None, "c", dict(bench.SCENARIOS["c"]), ["fullkv", "rkv"], args, 4.0)
+    rows = bench.run_scenario(None, "c", dict(bench.SCENARIOS["c"]), ["rkv", "fullkv"], args, 4.0)
     assert given["baseline"] == (512, 8192, 768) and given["policies"] == [(512, 8192, 768)] * 2
+    assert [r["policy"] for r in rows] == ["transformers-static", "fullkv", "rkv"]  # the reference first
     assert [r["timed_steps"] for r in rows] == [767] * 3
     assert [r["ratio_to_fullkv"] for r in rows] == [0.1, 1.0, 1.0] and rows[2]["ratio_to_baseline"] == 10.0
