@@ -160,6 +160,24 @@ def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monke
     assert not source_constants(query.half(), src)["KFOLD"]  # q * scale could overflow fp16
 
 
+@pytest.mark.parametrize("value_group", [None, 32])
+def test_kivi2_values_over_the_head_or_in_groups_of_32_channels(value_group):
+    """KIVI-2 as the preset stores it (2-bit values, one scale and minimum over the whole head)
+    and as KIVI's code groups values (32 channels): the kernel matches the reference."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [40, 0, 75]
+    table, valid, row_of = block_table(lengths, 32, False, g)
+    k, v = torch.randn(2, valid.numel(), 2, 64, generator=g).to(torch.bfloat16)
+    keys = registry.build("quantizer", {"name": "int", "bits": 2, "layout": "kivi", "token_group": 32})
+    p = keys.quantize(k, role="key", backend="torch")  # see operand()
+    key = KVOperand("int_channel", p.codes, p.scale, p.minimum, bits=2, token_group=32)
+    values = registry.build("quantizer", {"name": "int", "bits": 2, "group_size": value_group})
+    q = values.quantize(v, backend="torch")
+    assert q.scale.shape[-1] == (1 if value_group is None else 64 // value_group)
+    src = PagedSource(key, KVOperand("int", q.codes, q.scale, q.minimum, bits=2), table, 32, valid)
+    check_close(torch.randn(len(lengths), 8, 1, 64).to(torch.bfloat16), [src])
+
+
 def source_constants(query, src) -> dict:
     """The compile-time constants the launcher picks for one source."""
     return dict(zip(launch.SOURCE_CONSTS, launch._partial_launch(query, [src], False)[1]["CONSTS"][0]))
