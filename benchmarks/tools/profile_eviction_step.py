@@ -1,86 +1,135 @@
-"""Where an eager eviction step of the static decode path spends its time (GPU, Llama-3-8B shapes).
+"""Where a scheduled eviction step's GPU time goes, kernel by kernel (Llama-3-8B shapes, GPU).
 
-Decodes with the phase timer on (it synchronizes around each phase, so it slows the run;
-use it to split time, not to measure throughput) and prints, per policy, the seconds per
-eviction step spent in the policy's compression (trigger + view + scoring + pager) and in
-the rest of the eager step, and the time of one dense view of one layer.
+A static decode replays each eviction step as a CUDA graph, so the end-to-end benchmark sees
+only its total (``evict_ms_per_step``). This tool decodes the same way without graphs and
+profiles every layer's scheduled compression (the keys-only view, the evictor, the pager)
+with ``torch.profiler``: the kernels, their GPU time and their launches per eviction step.
+The eager run's host time is not what a replay costs; its kernels are the ones a replay runs.
+The classifier's refresh, which shares the step, is profiled on its own (``refresh_ms``).
 
-    python benchmarks/tools/profile_eviction_step.py [--policies rkv,thinkv] [--batch 16]
+    python benchmarks/tools/profile_eviction_step.py --policies thinkv --batch 656 \\
+        --out benchmarks/results/eviction_profile_gpu.json
+    python benchmarks/tools/profile_eviction_step.py --smoke   # tiny model, CPU operators: checks the script
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness and bench_e2e_gpu
 
-from harness.llama import llama_model  # noqa: E402
+from bench_e2e_gpu import build_model, make_policy  # noqa: E402
+from harness.results import ResultLog  # noqa: E402
 
 from kvcompose.hf.static import fast_generate  # noqa: E402
-from kvcompose.speed import random_prompts, warm_up_policy  # noqa: E402
+from kvcompose.runtime import compression, layer as layer_runtime, thoughts  # noqa: E402
+from kvcompose.speed import random_prompts  # noqa: E402
+
+
+class KernelTally:
+    """Kernel (CPU: operator) calls and microseconds summed over profiled calls."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.calls, self.us = cuda, Counter(), Counter()
+
+    @contextmanager
+    def profiled(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU]) as prof:
+            yield
+            if self.cuda:
+                torch.cuda.synchronize()
+        for event in prof.key_averages():
+            us = event.self_device_time_total if self.cuda else event.self_cpu_time_total
+            if us > 0 and (not self.cuda or event.device_type == torch.autograd.DeviceType.CUDA):
+                self.calls[event.key] += event.count
+                self.us[event.key] += us
+
+
+@contextmanager
+def profiling_scheduled_work(evictions: KernelTally, refreshes: KernelTally, counts: Counter):
+    """Profile every scheduled compression (``compress(..., scheduled=True)``) into ``evictions``
+    and every refresh step's classifier work into ``refreshes`` while the block runs."""
+    compress, observe = compression.compress, thoughts.ThoughtTracker.observe
+
+    def compress_profiled(layer, view=None, scheduled=False):
+        if not scheduled:
+            return compress(layer, view, scheduled)
+        counts["compress"] += 1
+        with evictions.profiled():
+            return compress(layer, view, scheduled)
+
+    def observe_profiled(self, layer_idx, query, view, scaling, store):
+        if not self.is_refresh_step(store):
+            return observe(self, layer_idx, query, view, scaling, store)
+        counts["observe"] += 1
+        with refreshes.profiled():
+            return observe(self, layer_idx, query, view, scaling, store)
+
+    layer_runtime.compress, thoughts.ThoughtTracker.observe = compress_profiled, observe_profiled
+    try:
+        yield
+    finally:
+        layer_runtime.compress, thoughts.ThoughtTracker.observe = compress, observe
+
+
+def profile_policy(model, name: str, args, smoke: bool) -> dict:
+    """One policy's record: kernels per eviction step, biggest first (``--top`` of them)."""
+    device = "cpu" if smoke else "cuda"
+    policy = make_policy(name, args.budget, smoke)
+    ids, mask = random_prompts(model.config.vocab_size, args.batch, args.prompt, device)
+    fast_generate(model, policy.make_cache(model), ids, mask, 8, graphs=False)  # compile every kernel first
+    evictions, refreshes, counts = KernelTally(not smoke), KernelTally(not smoke), Counter()
+    with profiling_scheduled_work(evictions, refreshes, counts):
+        fast_generate(model, policy.make_cache(model), ids, mask, args.new_tokens, graphs=False)
+    layers = model.config.num_hidden_layers
+    steps = counts["compress"] / layers  # every layer compresses once per eviction step
+    per_step = max(steps, 1)
+    top = sorted(evictions.us, key=lambda k: -evictions.us[k])[:args.top]
+    return {"policy": name, "batch": args.batch, "prompt": args.prompt, "budget": args.budget,
+            "new_tokens": args.new_tokens, "eviction_steps": steps, "time_unit": "CPU ms" if smoke else "GPU ms",
+            "ms_per_eviction_step": sum(evictions.us.values()) / 1e3 / per_step,
+            "launches_per_eviction_step": sum(evictions.calls.values()) / per_step,
+            "refresh_ms": sum(refreshes.us.values()) / 1e3 / max(counts["observe"] / layers, 1),
+            "kernels": [{"name": k, "calls_per_step": evictions.calls[k] / per_step,
+                         "ms_per_step": evictions.us[k] / 1e3 / per_step} for k in top]}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--policies", default="rkv,thinkv")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default="thinkv")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=400)
-    ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--trace", action="store_true",
-                    help="also run once under torch.profiler and print the top operators by GPU and host time")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=768, help="decode steps (evictions start past the budget)")
+    ap.add_argument("--top", type=int, default=20, help="kernels recorded per policy")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, operators instead of kernels")
+    ap.add_argument("--out", default=None, help="history file the run is added to")
     args = ap.parse_args(argv)
-    from kvcompose import Policy
-
-    model = llama_model(False, "cuda")
-    ids, mask = random_prompts(model.config.vocab_size, args.batch, 512, "cuda")
-    for name in args.policies.split(","):
-        overrides = {"budget": args.budget}
-        if name.startswith("thinkv"):
-            overrides["classifier"] = {"name": "sparsity_kde", "thresholds": [0.5, 0.8], "layers": [0, 1, 2, 3]}
-        policy = Policy.from_preset(name, **overrides)
-        fast_generate(model, warm_up_policy(policy).make_cache(model), ids, mask, 40)
-        cache = policy.make_cache(model)
-        cache.time_phases()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fast_generate(model, cache, ids, mask, args.new_tokens, profile=True)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-        summary = cache.static_decoder.summary()
-        phases = cache.timer.report()
-        layer = cache.layers[5]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            layer.store.view()
-        torch.cuda.synchronize()
-        view_ms = 1e3 * (time.perf_counter() - t0) / 5
-        eager = summary["eager_steps"]
-        print(f"{name}: wall {wall:.1f}s, eager steps {eager}, ms by kind {summary.get('ms_by_kind')}, "
-              f"phases {phases}, eviction s/eager step {phases.get('eviction', 0) / max(eager, 1):.3f}, "
-              f"refresh s/eager step {phases.get('refresh', 0) / max(eager, 1):.3f}, one layer view {view_ms:.1f} ms",
+    if args.smoke:
+        args.batch, args.prompt, args.budget, args.new_tokens = 3, 16, 32, 120
+    model = build_model(args.smoke, "cpu" if args.smoke else "cuda")
+    log = ResultLog(args.out) if args.out else None
+    records = []
+    for name in [p for p in args.policies.split(",") if p]:
+        record = profile_policy(model, name, args, args.smoke)
+        records.append(record)
+        print(f"{name}, batch {args.batch}: {record['eviction_steps']:.0f} eviction steps, "
+              f"{record['ms_per_eviction_step']:.1f} {record['time_unit']} and "
+              f"{record['launches_per_eviction_step']:.0f} launches each; refresh {record['refresh_ms']:.1f}",
               flush=True)
-        if args.trace:
-            trace(model, policy, ids, mask, args.new_tokens)
+        for k in record["kernels"]:
+            print(f"  {k['ms_per_step']:9.2f} {k['calls_per_step']:7.0f}  {k['name'][:100]}", flush=True)
+        if log is not None:  # after every policy: a run cut off keeps what it measured
+            log.save({"benchmark": "eviction step profile", "smoke": args.smoke, "records": records})
     return 0
-
-
-def trace(model, policy, ids, mask, new_tokens: int) -> None:
-    """Operators of one whole run (eager steps dominate), by GPU time and by host time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cache = policy.make_cache(model)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fast_generate(model, cache, ids, mask, new_tokens)
-        torch.cuda.synchronize()
-    table = prof.key_averages()
-    print(table.table(sort_by="self_device_time_total", row_limit=25), flush=True)
-    print(table.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
 
 
 if __name__ == "__main__":
