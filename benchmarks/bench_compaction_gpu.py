@@ -65,18 +65,25 @@ def build(shape: dict, device: str, hole_blocks: int | None):
     return store
 
 
+def eviction(shape: dict, device: str, hole_blocks: int | None):
+    """A fresh store and the compaction to time on it: every position divisible by 3 goes, as
+    a TBE step-down evicts, through the ``ct`` pager. Returns ``(store, compact)``."""
+    store = build(shape, device, hole_blocks)
+    view = store.view(values=False)
+    keep = view.valid & (view.positions % 3 != 0)
+    return store, lambda: ContinuousThinkingPager(max_hole_blocks=1).compact(store, view, keep)
+
+
 def kernel_ms(shape: dict, hole_blocks: int | None) -> float:
     """GPU milliseconds of the kernels of one more compaction (``torch.profiler``): what a
     captured eviction step pays, where the CUDA-event time of an eager call also holds the
     host's launch time between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    store = build(shape, "cuda", hole_blocks)
-    view = store.view(values=False)
-    keep = view.valid & (view.positions % 3 != 0)
+    _, compact = eviction(shape, "cuda", hole_blocks)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ContinuousThinkingPager(max_hole_blocks=1).compact(store, view, keep)
+        compact()
         torch.cuda.synchronize()
     return sum(e.self_device_time_total for e in prof.key_averages()
                if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
@@ -87,26 +94,23 @@ def time_compaction(shape: dict, device: str, hole_blocks: int | None) -> tuple[
     allocated bytes."""
     best, allocated = float("inf"), 0
     for _ in range(shape["reps"] + 1):  # the first also compiles the kernels
-        store = build(shape, device, hole_blocks)
-        view = store.view(values=False)
-        keep = view.valid & (view.positions % 3 != 0)
-        pager = ContinuousThinkingPager(max_hole_blocks=1)
+        store, compact = eviction(shape, device, hole_blocks)
         if device == "cuda":
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            pager.compact(store, view, keep)
+            compact()
             end.record()
             torch.cuda.synchronize()
             ms = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
-            pager.compact(store, view, keep)
+            compact()
             ms = (time.perf_counter() - t0) * 1e3
         store.check_errors()
         best = min(best, ms)
         allocated = sum(p.capacity * p.bytes_per_block for p in store.pools.values())
-        del store, view, keep
+        del store, compact
     return best, allocated
 
 

@@ -48,12 +48,13 @@ class RowReserve:
     def push(self, blocks: torch.Tensor, mask: torch.Tensor, overflow: torch.Tensor) -> None:
         """Put the ``mask``-selected ids of ``blocks`` (``[B, W]``) on their rows' stacks; a row
         that would hold more ids than it has blocks (a kvcompose bug) sets ``overflow``."""
-        overflow |= (self.count + mask.sum(1) > self.width).any().to(overflow.dtype)
+        pushed = mask.sum(1)
+        overflow |= (self.count + pushed > self.width).any().to(overflow.dtype)
         rank = mask.cumsum(1) - 1
         column = torch.where(mask, self.count[:, None] + rank, self.width).clamp(max=self.width)
         self.ids.scatter_(1, column, torch.where(mask, blocks, -1))
         self.ids[:, self.width] = -1
-        self.count += mask.sum(1)
+        self.count += pushed
 
 
 def release_empty_blocks(region: Region) -> None:
@@ -89,9 +90,10 @@ def pack_holes(region: Region, max_holes: int) -> None:
     trash, bs = pool.trash_slot, pool.block_size
     phys = torch.where((table >= 0).repeat_interleave(bs, 1), slot_map(table, bs), trash)
     col = torch.arange(phys.shape[1], device=phys.device)[None, :]
-    valid = pool.flat_slots(pool.meta)["valid"][phys] & (col < region.length[:, None])
+    written = col < region.length[:, None]
+    valid = pool.flat_slots(pool.meta)["valid"][phys] & written
     # the written slots of blocks that hold a live token, and their columns once the others are gone
-    present = (col < region.length[:, None]) & valid.view(*table.shape, bs).any(-1).repeat_interleave(bs, 1)
+    present = written & valid.view(*table.shape, bs).any(-1).repeat_interleave(bs, 1)
     rank = present.cumsum(1) - 1
     live = valid.sum(1)
     rows = (present.sum(1) - live) >= max_holes

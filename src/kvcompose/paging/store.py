@@ -35,8 +35,8 @@ class StoreView:
 
     Columns are each region's block slots, in region order, followed by the buffer
     slots; in static mode the regions that share a row reserve share their columns
-    (:meth:`LayerStore.view_tables`). Live tokens of the buffer, and of a region under the ``gather`` pager, are
-    in position order; under ``ct`` a region's refilled holes break that order.
+    (:meth:`LayerStore.view_parts`). Live tokens of the buffer, and of a region under the
+    ``gather`` pager, are in position order; under ``ct`` a region's refilled holes break that order.
     ``source[b, j]`` locates column ``j``: ``(region index, pool slot)``, with region
     index ``-1`` for buffer columns.
     """
@@ -262,7 +262,7 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
         score keys: no value payload is gathered or decoded."""
         B = self.batch_size
         parts = []
-        for pool, table, owner, _ in self.view_tables():
+        for pool, table, owner in self.view_tables():
             bs, W = pool.block_size, table.shape[1]
             ids = table.clamp(min=0).reshape(-1)
             wanted = set(pool.slots) | set(pool.blocks)

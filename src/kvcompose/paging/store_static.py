@@ -166,14 +166,15 @@ class StoreStatic:
         Regions that share a row reserve then give their emptied blocks back, after packing the
         rows whose holes reach ``max_hole_blocks`` blocks (in place; None: never), as the eager
         ``ct`` pager does. ``view`` must come from :meth:`view` in static mode (the parts of
-        :meth:`view_tables`). An eviction that removed anything counts in ``evictions_on_device``."""
+        :meth:`view_parts`). An eviction that removed anything counts in ``evictions_on_device``."""
         self.evictions_on_device += (view.valid & ~keep).any()
         col = 0
-        for pool, table, _, members in self.view_tables():
+        for blocks, members in self.view_parts():
+            pool = members[0].pool
             if not pool.codec.slot_local:
                 raise ValueError(f"format {pool.codec.name!r} shares scales across tokens; it cannot be evicted from")
             bs = pool.block_size
-            width = table.shape[1] * bs
+            width = blocks * bs
             phys, kept = view.phys[:, col:col + width], keep[:, col:col + width]
             valid = view.valid[:, col:col + width]
             col += width
@@ -193,46 +194,53 @@ class StoreStatic:
                     release_empty_blocks(region)
         self._repack_buffer(keep[:, col:])
 
-    def view_tables(self) -> list[tuple]:
-        """What :meth:`view` decodes, part by part: ``(pool, block table [B, W], region index of
-        each block (an int for the whole table, or ``[B, W]``), regions)``. Each region's table,
-        but in static mode the regions that share a row reserve make one part: their blocks in
-        region order, within the reserve's width, which bounds what a row holds of them. One
-        table each would span that width once per region (ThinKV's R and E: twice the keys an
-        eviction decodes and copies)."""
+    def view_parts(self) -> list[tuple[int, list]]:
+        """How :meth:`view` lays out its block columns, part by part: ``(blocks per row, regions)``.
+        Each region is a part of its table's width, but in static mode the regions that share a
+        row reserve make one part of the reserve's width, which bounds what a row holds of them
+        (one table each would span that width once per region: ThinKV's R and E, twice the keys
+        an eviction decodes and copies). Known on the host: no tensor is read."""
         if not self.static:
-            return [(r.pool, r.used_table(), i, [r]) for i, r in enumerate(self.regions)]
+            return [(r.used_table().shape[1], [r]) for r in self.regions]
         parts, shared = [], {}
-        for i, region in enumerate(self.regions):
+        for region in self.regions:
             if region.reserve is None:
-                parts.append((region.pool, region.table, i, [region]))
+                parts.append((region.table.shape[1], [region]))
             elif id(region.reserve) in shared:
-                shared[id(region.reserve)][1].append(i)
+                shared[id(region.reserve)][1].append(region)
             else:
-                shared[id(region.reserve)] = (len(parts), [i])
-                parts.append(None)
-        for at, indexes in shared.values():
-            parts[at] = self._shared_table(indexes)
+                shared[id(region.reserve)] = (region.reserve.width, [region])
+                parts.append(shared[id(region.reserve)])
         return parts
 
-    def _shared_table(self, indexes: list[int]) -> tuple:
-        """:meth:`view_tables`' part of the regions ``indexes``, which share one row reserve."""
-        regions = [self.regions[i] for i in indexes]
-        width = regions[0].reserve.width
-        tables = torch.cat([r.table for r in regions], 1)
-        owners = torch.cat([torch.full_like(r.table, i) for i, r in zip(indexes, regions)], 1)
-        owned = tables >= 0  # a row's first blocks of each region (the static table's invariant)
-        # a row's blocks come from its reserve of `width` ids, so they fit; the rest go to a sink column
-        column = torch.where(owned, owned.cumsum(1) - 1, width)
-        table = torch.full((self.batch_size, width + 1), -1, dtype=tables.dtype, device=self.device)
-        owner = torch.full_like(table, indexes[0])
-        table.scatter_(1, column, torch.where(owned, tables, -1))
-        owner.scatter_(1, column, torch.where(owned, owners, indexes[0]))
-        return regions[0].pool, table[:, :width], owner[:, :width], regions
+    def view_tables(self) -> list[tuple]:
+        """The block tables of :meth:`view_parts`: ``(pool, table [B, W], region index of each
+        block: an int for a region's own table, ``[B, W]`` for a shared part)``. A shared part
+        holds each row's blocks of its regions in region order."""
+        if not self.static:  # eager: each region's used columns (one host read each)
+            return [(r.pool, r.used_table(), i) for i, r in enumerate(self.regions)]
+        index = {id(r): i for i, r in enumerate(self.regions)}
+        out = []
+        for width, members in self.view_parts():
+            first = members[0]
+            if len(members) == 1:
+                out.append((first.pool, first.table, index[id(first)]))
+                continue
+            tables = torch.cat([r.table for r in members], 1)
+            owners = torch.cat([torch.full_like(r.table, index[id(r)]) for r in members], 1)
+            owned = tables >= 0  # a row's first blocks of each region (the static table's invariant)
+            # a row's blocks come from its reserve of `width` ids, so they fit; the rest go to a sink column
+            column = torch.where(owned, owned.cumsum(1) - 1, width)
+            table = torch.full((self.batch_size, width + 1), -1, dtype=tables.dtype, device=self.device)
+            owner = torch.full_like(table, index[id(first)])
+            table.scatter_(1, column, torch.where(owned, tables, -1))
+            owner.scatter_(1, column, torch.where(owned, owners, index[id(first)]))
+            out.append((first.pool, table[:, :width], owner[:, :width]))
+        return out
 
     def _own_columns(self, regions: list, phys: torch.Tensor, kept: torch.Tensor) -> list[tuple]:
         """``(phys, kept)`` of each of ``regions`` in its own table's columns, from those of their
-        :meth:`view_tables` part (the same tensors for a region alone): the blocks of a shared
+        :meth:`view_parts` part (the same tensors for a region alone): the blocks of a shared
         part are the regions' blocks in region order. Computed before any region changes."""
         if len(regions) == 1:
             return [(phys, kept)]
