@@ -152,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=1536,
                     help="scenario c: new tokens timed on both sides (the capacity is still reserved for all)")
     ap.add_argument("--oom-retries", type=int, default=4, help="scenario c: smaller batches tried after an OOM or a peak over the cap")
+    ap.add_argument("--start-batch", type=start_batches, default={},
+                    help="scenario c: the first batch tried per policy instead of the estimate, e.g. thinkv=683 "
+                         "(a batch an earlier run found; the search still backs off, never up; recorded)")
     ap.add_argument("--run", default=None, help="label of this run, stored in each record (e.g. b7)")
     ap.add_argument("--out", default=None, help="history file this run is added to (e.g. "
                     "benchmarks/results/e2e_gpu.json); earlier runs stay as they are")
@@ -179,6 +182,18 @@ def main(argv=None) -> int:
         records += rows
         print(format_table(TABLE, [[_cell(r.get(c)) for c in TABLE] for r in rows]), flush=True)
     return 0
+
+
+def start_batches(text: str) -> dict[str, int]:
+    """``--start-batch``: ``policy=rows`` pairs separated by commas."""
+    out = {}
+    for item in (i for i in text.split(",") if i):
+        name, _, rows = item.partition("=")
+        if not name or not rows.isdigit() or int(rows) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: give policy=rows with a positive number of rows, e.g. "
+                                             "thinkv=683,fullkv=51")
+        out[name] = int(rows)
+    return out
 
 
 def open_log(out: str | None) -> ResultLog | None:
@@ -234,7 +249,8 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args, copy
         policy = make_policy(name, budget, args.smoke)
         try:
             if fixed_memory:
-                row = fit_policy(model, policy, prompt, new, args.memory_gib, min(args.window, new), args.oom_retries)
+                row = fit_policy(model, policy, prompt, new, args.memory_gib, min(args.window, new), args.oom_retries,
+                                 start_batch=args.start_batch.get(name))
             else:
                 row = kvcompose_run(model, policy, batch, prompt, new)
         except Exception as exc:  # record what failed instead of losing the other runs

@@ -393,15 +393,21 @@ def _next_batch(batch: int, peak: float | None, cap_gib: float, fixed_gib: float
 
 
 def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: float, window: int,
-               retries: int = 4) -> dict:
+               retries: int = 4, start_batch: int | None = None) -> dict:
     """``policy`` at the largest batch whose peak GPU memory (weights included) stays under
     ``cap_gib`` for ``prompt`` + ``new_tokens`` tokens, timed over ``window`` decode steps.
 
     The stores reserve their capacity for ``new_tokens`` at the prefill, so two short runs at
     batch 2 and 4 give the bytes per row; they do not see everything (an eviction step's
     scratch, a large prefill's activations), so the run backs off (:func:`run_backing_off`) to
-    the batch its measured peak per row allows."""
+    the batch its measured peak per row allows. ``start_batch``: the first batch tried instead
+    of that estimate (a batch an earlier search found, which saves the runs over the cap); the
+    search still only backs off, so the record keeps both (``batch_start``, ``batch_estimate``)."""
     _check_fit(window, new_tokens)
+    if start_batch is not None and (isinstance(start_batch, bool) or not isinstance(start_batch, int)
+                                    or start_batch < 1):
+        raise ValueError(f"start_batch={start_batch!r}: give a positive number of rows, or None to start from the "
+                         "estimate")
     vocab = model.config.get_text_config().vocab_size
 
     def run(batch: int, steps: int, profile: bool = True) -> dict:
@@ -416,10 +422,11 @@ def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: flo
         peaks[b] = torch.cuda.max_memory_allocated()  # time_policy resets it before its timed run
     per_row = (peaks[4] - peaks[2]) / 2
     fixed = peaks[2] - 2 * per_row
-    batch = largest_batch(fixed, per_row, cap_gib * 2**30)
+    estimate = largest_batch(fixed, per_row, cap_gib * 2**30)
+    batch = estimate if start_batch is None else start_batch
     row = run_backing_off(lambda b: run(b, window), batch, cap_gib, retries, fixed_gib=fixed / 2**30)
     return dict(row, memory_cap_gib=cap_gib, reserved_new_tokens=new_tokens,
-                kv_bytes_per_row_reserved=(kv[4] - kv[2]) / 2)
+                kv_bytes_per_row_reserved=(kv[4] - kv[2]) / 2, batch_estimate=estimate, batch_start=batch)
 
 
 def fit_transformers_static(model, prompt: int, new_tokens: int, cap_gib: float, window: int,

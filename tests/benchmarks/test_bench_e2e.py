@@ -101,17 +101,27 @@ def test_fixed_memory_times_the_same_window_on_both_sides(bench, monkeypatch):
         return {"batch": 48, "new_tokens": window, "timed_steps": window - 1, "tok_per_s": 100.0, "ms_per_step": 480.0,
                 "weight_bytes_per_step": 1, "kv_bytes_read_per_step": 1}
 
-    def fit_policy(model, policy, prompt, new, cap, window, retries):
+    def fit_policy(model, policy, prompt, new, cap, window, retries, start_batch=None):
         given.setdefault("policies", []).append((prompt, new, window))
+        given.setdefault("starts", []).append(start_batch)
         return {"batch": 400, "new_tokens": window, "timed_steps": window - 1, "tok_per_s": 1000.0,
                 "ms_per_step": 400.0, "weight_bytes_per_step": 1, "kv_bytes_read_per_step": 1}
 
     monkeypatch.setattr(bench, "fit_transformers_static", fit_baseline)
     monkeypatch.setattr(bench, "fit_policy", fit_policy)
     monkeypatch.setattr(bench, "make_policy", lambda name, budget, smoke: name)
-    args = argparse.Namespace(smoke=False, memory_gib=70.0, window=768, oom_retries=4)
+    args = argparse.Namespace(smoke=False, memory_gib=70.0, window=768, oom_retries=4, start_batch={"rkv": 331})
     rows = bench.run_scenario(None, "c", dict(bench.SCENARIOS["c"]), ["rkv", "fullkv"], args, 4.0)
     assert given["baseline"] == (512, 8192, 768) and given["policies"] == [(512, 8192, 768)] * 2
+    assert given["starts"] == [None, 331]  # --start-batch rkv=331: fullkv from the estimate
     assert [r["policy"] for r in rows] == ["transformers-static", "fullkv", "rkv"]  # the reference first
     assert [r["timed_steps"] for r in rows] == [767] * 3
     assert [r["ratio_to_fullkv"] for r in rows] == [0.1, 1.0, 1.0] and rows[2]["ratio_to_baseline"] == 10.0
+
+
+def test_start_batches_are_parsed_per_policy_and_bad_ones_are_named(bench):
+    assert bench.start_batches("thinkv=683,fullkv=51") == {"thinkv": 683, "fullkv": 51}
+    assert bench.start_batches("") == {}
+    for bad in ("thinkv", "thinkv=0", "=5", "thinkv=x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="give policy=rows"):
+            bench.start_batches(bad)

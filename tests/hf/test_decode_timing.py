@@ -1,6 +1,8 @@
 """Timing of decode runs (kvcompose.speed, the static decoder's summary): which steps are timed, how
 one-time work (warm-ups, graph captures) is kept out of the steady rate, and fixed-memory batch search."""
 
+import types
+
 import pytest
 import torch
 
@@ -253,3 +255,35 @@ def test_the_timed_run_is_not_profiled_and_a_second_run_splits_its_time(monkeypa
     profiled.clear()
     speed.time_policy(model, Policy.from_preset("fullkv"), ids, mask, 8, profile=False)
     assert not any(on for _, on in profiled)
+
+
+def test_fit_policy_starts_at_a_given_batch_and_still_backs_off(monkeypatch):
+    """``start_batch`` replaces the estimate as the first batch tried (saving the runs over the
+    cap that an earlier search already made); the search backs off from it as from the estimate,
+    and the record keeps both."""
+    from kvcompose import speed
+
+    gib = 2 ** 30
+    peak_of = {2: 20 * gib, 4: 20.5 * gib}  # 0.25 GiB per row over 19.5: the estimate is 202 rows under 70 GiB
+    tried = []
+
+    def time_policy(model, policy, ids, mask, steps, reserve_new_tokens=None, profile=True):
+        batch = ids.shape[0]
+        tried.append(batch)
+        peak_of.setdefault(batch, 19.5 * gib + 0.3 * gib * batch)  # the full runs need 0.3 GiB per row
+        return {"batch": batch, "peak_gib": peak_of[batch] / gib, "kv_allocated_bytes": 1000 * batch}
+
+    monkeypatch.setattr(speed, "_check_fit", lambda window, new: None)
+    monkeypatch.setattr(speed, "time_policy", time_policy)
+    monkeypatch.setattr(speed.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(speed.torch.cuda, "max_memory_allocated", lambda: peak_of[tried[-1]])
+    model = types.SimpleNamespace(config=types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(
+        vocab_size=100)), device="cpu")
+    row = speed.fit_policy(model, None, 8, 16, 70.0, 4)
+    assert row["batch_estimate"] == row["batch_start"] == 202 and row["over_cap_at"] == [202]
+    tried.clear()
+    row = speed.fit_policy(model, None, 8, 16, 70.0, 4, start_batch=160)
+    assert tried == [2, 4, 160] and row["batch"] == 160 and row["batch_start"] == 160
+    assert row["batch_estimate"] == 202 and row["over_cap_at"] == [] and not row["over_cap"]
+    with pytest.raises(ValueError, match="start_batch=0: give a positive number of rows"):
+        speed.fit_policy(model, None, 8, 16, 70.0, 4, start_batch=0)
