@@ -31,6 +31,7 @@ import torch
 from .hf.compat import cache_kwargs
 from .hf.static import ONE_TIME_KINDS, fast_generate
 from .policies import Policy
+from .validation import check_int
 
 
 def timed(fn) -> float:
@@ -404,10 +405,8 @@ def fit_policy(model, policy: Policy, prompt: int, new_tokens: int, cap_gib: flo
     of that estimate (a batch an earlier search found, which saves the runs over the cap); the
     search still only backs off, so the record keeps both (``batch_start``, ``batch_estimate``)."""
     _check_fit(window, new_tokens)
-    if start_batch is not None and (isinstance(start_batch, bool) or not isinstance(start_batch, int)
-                                    or start_batch < 1):
-        raise ValueError(f"start_batch={start_batch!r}: give a positive number of rows, or None to start from the "
-                         "estimate")
+    if start_batch is not None:
+        check_int("start_batch (None: start from the estimate)", start_batch, 1, noun="a number of rows")
     vocab = model.config.get_text_config().vocab_size
 
     def run(batch: int, steps: int, profile: bool = True) -> dict:
