@@ -296,6 +296,7 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     out.update(eager_steps=summary["eager_steps"], eviction_steps=summary.get("eviction_steps", 0),
                refresh_steps=summary.get("refresh_steps", 0), replays=summary["replays"],
                eviction_call_rate=evicting / max(new - 1, 1), fused=summary.get("fused"),
+               rotation_in_weights=summary.get("rotation_in_weights", 0),
                warm_ups=summary.get("warm_ups", 0))
     return out
 

@@ -183,6 +183,12 @@ def test_the_rotation_cost_on_its_api_page_comes_from_its_run():
     for plain in ("fullkv", "nvfp4"):
         assert f"from {steady[plain]:.2f} to {steady[plain + '+hadamard']:.2f} ms for {plain}" in page
     assert runs["rot3"]["environment"]["gpu"] == "NVIDIA H200" and "H200" in page
+    folded = {r["policy"]: r for r in runs["rot6"]["records"]}  # the value rotation in the weights
+    for plain in ("fullkv", "nvfp4"):
+        before, after = folded[plain]["steady_ms_per_step"], folded[plain + "+hadamard"]["steady_ms_per_step"]
+        assert after > before and folded[plain + "+hadamard"]["rotation_in_weights"] == 32
+        assert f"from {before:.2f} to {after:.2f} ms" in page and f"(+{100 * (after / before - 1):.1f}%)" in page
+    assert f"from {folded['fullkv']['peak_gib']:.2f} to {folded['fullkv+hadamard']['peak_gib']:.2f} GiB" in page
 
 
 def test_runs_timed_on_their_profiled_run_are_named():

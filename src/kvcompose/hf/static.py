@@ -28,6 +28,7 @@ from ..runtime.owner import OwningCache
 from ..runtime.schedule import Schedule, StepPlan, static_capacity
 from .compat import cache_kwargs
 from .fusion import default_fuse, fused_layers
+from .rotation_weights import rotation_in_weights
 from .model_check import check_model
 
 #: Name of a decode step's range in ``torch.profiler`` traces, followed by its :func:`step_kind`.
@@ -75,6 +76,7 @@ class StaticDecoder:
                  profile: bool = False, fused: bool = False):
         self.model = model
         self.fused = fused  # the decoder layers run compiled (kvcompose.hf.fusion) during the steps
+        self.rotation_in_weights = 0  # layers whose projections carry the value rotation (hf.rotation_weights)
         self.cache = cache
         B = next_positions.shape[0]
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=next_positions.device)
@@ -168,12 +170,14 @@ class StaticDecoder:
 
     def summary(self) -> dict:
         """Steps by kind (``warm_ups``: eager first runs of graph variants;
-        ``variants_warmed_before``: variants an earlier decode of the same signature compiled)
+        ``variants_warmed_before``: variants an earlier decode of the same signature compiled;
+        ``rotation_in_weights``: layers whose projections carried the value rotation)
         and, when profiling, milliseconds of decode time and steps by the
         kinds of :func:`step_kind`, host milliseconds per replayed plain step, the one-time
         work's milliseconds by kind and graph variant (``"warm-up evict"``) and the host's
         seconds in graph captures."""
-        out = {"fused": self.fused, "eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps,
+        out = {"fused": self.fused, "rotation_in_weights": self.rotation_in_weights,
+               "eager_steps": self.eager_steps, "eviction_steps": self.eviction_steps,
                "refresh_steps": self.refresh_steps, "replays": self.replays, "warm_ups": self.warm_ups,
                "variants_warmed_before": self.warmed_before}
         if self.profile and self._events:
@@ -284,7 +288,8 @@ def _recorded_event() -> torch.cuda.Event:
 def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                   max_new_tokens: int = 256, eos_token_id=None, pad_token_id: int | None = None,
                   graphs: bool | None = None, profile: bool = False,
-                  reserve_new_tokens: int | None = None, fuse: bool | None = None) -> torch.Tensor:
+                  reserve_new_tokens: int | None = None, fuse: bool | None = None,
+                  fold_rotation: bool = True) -> torch.Tensor:
     """Greedy decoding on a fresh kvcompose ``cache`` through the static-shape path; returns
     ``[B, prompt + new]`` ids like ``model.generate(..., do_sample=False)``.
 
@@ -297,7 +302,10 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
     stores for this many new tokens instead of ``max_new_tokens`` (memory measurements of a
     longer generation from a shorter run). ``fuse``: run the decoder layers compiled by
     torch.compile during the decode steps, which fuses their small kernels (see
-    :mod:`kvcompose.hf.fusion`; default: on CUDA). The prefill runs uncompiled either way."""
+    :mod:`kvcompose.hf.fusion`; default: on CUDA). The prefill runs uncompiled either way.
+    ``fold_rotation``: under a policy with a rotation, the decode steps' value and output
+    projections carry the value rotation (:mod:`kvcompose.hf.rotation_weights`: one launch per
+    layer less, for one more copy of those weights while decoding); False rotates in the cache."""
     _check_can_run(model, cache, input_ids, max_new_tokens, graphs)
     graphs = input_ids.is_cuda if graphs is None else graphs
     fuse = default_fuse(input_ids.device) if fuse is None else fuse
@@ -320,7 +328,9 @@ def fast_generate(model, cache, input_ids: torch.Tensor, attention_mask: torch.T
             decoder = StaticDecoder(model, cache, positions[:, -1:] + 1, input_ids.shape[1], graphs, profile, fuse)
             cache.static_decoder = decoder
             try:
-                with fused_layers(model) if fuse else contextlib.nullcontext():
+                folding = rotation_in_weights(model, cache) if fold_rotation else contextlib.nullcontext(0)
+                with folding as decoder.rotation_in_weights, \
+                        fused_layers(model) if fuse else contextlib.nullcontext():
                     try:
                         _decode(decoder, Schedule(cache, max_new_tokens - 1), tokens, finished, eos, pad_token_id)
                     finally:  # before the fused layers' weights are restored, which allocates

@@ -36,6 +36,8 @@ class LayerRuntime:
         self.query_positions: torch.Tensor | None = None
         self.scaling = 1.0
         self.rotation_matrices = None  # built at the first step (see _rotation); False: none
+        # the model's value and output projections carry the value rotation (kvcompose.hf.rotation_weights)
+        self.rotation_in_weights = False
 
     def attend(self, query, key, value, real, scaling: float, columns: int | None = None) -> torch.Tensor:
         """Store the new tokens, attend over the kept ones, then let the policy compress.
@@ -49,7 +51,11 @@ class LayerRuntime:
         rotation = self._rotation(key)
         if rotation is not None:  # stored, scored and attended rotated; the output is turned back
             forward, back, gain = rotation
-            query, key, value = _rotated([query, key, value], forward)
+            if self.rotation_in_weights:  # values come rotated, the output leaves rotated
+                query, key = _rotated([query, key], forward)
+                back = None
+            else:
+                query, key, value = _rotated([query, key, value], forward)
             scaling = scaling / gain  # (q S)(k S)^T = gain q k^T
         self.scaling = scaling
         plan = self.cache.step_plan
@@ -71,7 +77,7 @@ class LayerRuntime:
             self._scheduled_work(plan, query, view, scaling)
         else:
             self._after_eager_step(query, view, positions, scaling, evict=not in_place)
-        if rotation is not None:
+        if rotation is not None and back is not None:
             out = _rotated([out], back)[0]
         return out.transpose(1, 2).contiguous()
 
