@@ -18,3 +18,16 @@ def test_segment_sizes_and_classes_match_the_membership_definition():
     assert torch.equal(size, in_seg.sum(1))
     assert torch.equal(cls, torch.where(in_seg, classes[:, :, None], -1).amax(1))
     assert bool((cls[3] == -1).all()) and bool((size[3] == 0).all())
+
+
+def test_the_step_down_levels_are_the_retention_chain():
+    """Each segment's levels: its size, then the next retention value below, again and again
+    (a size at or under the floor, or between values, steps as the chain of single steps)."""
+    evictor = ThoughtEvictor(retention=[64, 32, 16, 8, 4])
+    size = torch.tensor([[0, 1, 4, 5, 16, 17, 63, 64, 65, 128]])
+    levels = evictor._levels(size)
+    chain = [size]
+    for _ in evictor.retention:
+        chain.append(evictor._next(chain[-1]))
+    assert torch.equal(levels, torch.stack(chain, -1))
+    assert levels[0, 8].tolist() == [65, 64, 32, 16, 8, 4] and levels[0, 2].tolist() == [4] * 6

@@ -70,6 +70,15 @@ class ThoughtEvictor(Evictor):
         below = torch.where(sched[None, :] < size.reshape(-1, 1), sched[None, :], 0).amax(1).reshape(size.shape)
         return torch.where(below > 0, below, size)
 
+    def _levels(self, size: torch.Tensor) -> torch.Tensor:
+        """``[..., R + 1]``: ``size``, then :meth:`_next` applied again and again (it reaches the
+        floor within ``R`` steps), from one search of the retention values rather than a pass each."""
+        ascending = device_constant(tuple(sorted(self.retention)), size.device)
+        below = torch.searchsorted(ascending, size.contiguous())[..., None]  # retention values under size
+        step = torch.arange(len(self.retention) + 1, device=size.device)
+        chain = ascending[(below - step).clamp(min=0, max=len(self.retention) - 1)]
+        return torch.where((step == 0) | (below == 0), size[..., None], chain)
+
     def select(self, ctx: EvictionContext) -> torch.Tensor:
         if ctx.segment < 1 or ctx.classes is None or not ctx.class_names:
             raise ValueError("tbe evictor needs token classes and the policy's refresh period (segment size)")
@@ -128,10 +137,7 @@ class ThoughtEvictor(Evictor):
         one sequence per row; a move happens while the tokens held before it exceed ``keep``,
         which makes the moves taken a prefix of it (cumulative savings). No host reads."""
         B, S = target.shape
-        levels = [target]
-        for _ in self.retention:  # the chain target -> next -> ... reaches the floor within len(retention)
-            levels.append(self._next(levels[-1]))
-        levels = torch.stack(levels, -1)  # [B, S, R + 1]
+        levels = self._levels(target)  # [B, S, R + 1]
         saving = (levels[..., :-1] - levels[..., 1:]) * closed[..., None]  # [B, S, R]
         idx = torch.arange(S, device=target.device)
         order = torch.argsort((n_classes + 1 - importance) * S + idx[None, :], dim=1, stable=True)
