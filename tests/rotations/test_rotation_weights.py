@@ -85,3 +85,53 @@ def test_fused_layers_stack_the_folded_value_weights_and_give_the_unfused_tokens
     summary = cache.static_decoder.summary()
     assert summary["fused"] is True and summary["rotation_in_weights"] == model.config.num_hidden_layers
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def _tokens(model, policy, ids, mask, **kw):
+    return fast_generate(model, policy.make_cache(model), ids, mask, 10, **kw)
+
+
+def test_projections_shared_between_layers_rotate_in_the_cache():
+    model = tiny_model("llama", layers=3)
+    layers = model.model.layers
+    layers[1].self_attn.o_proj.weight = layers[0].self_attn.o_proj.weight  # two layers, one weight
+    before = [p.detach().clone() for p in model.parameters()]
+    policy = Policy.from_preset("fullkv", rotation="hadamard")
+    _, ids, mask = left_padded([9, 12])
+    cache = policy.make_cache(model)
+    got = fast_generate(model, cache, ids, mask, 10)
+    assert cache.static_decoder.summary()["rotation_in_weights"] == 1  # only the third layer's are its own
+    assert torch.equal(got, _tokens(model, policy, ids, mask, fold_rotation=False))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_each_layer_folds_the_rotation_of_the_cache_layer_its_values_go_to():
+    model = tiny_model("llama", layers=3)
+    layers = model.model.layers
+    layers[0].self_attn.layer_idx, layers[2].self_attn.layer_idx = 2, 0  # renumbered, not reordered
+    policy = Policy.from_preset("nvfp4", rotation="hadamard")
+    _, ids, mask = left_padded([9, 12])
+    assert torch.equal(_tokens(model, policy, ids, mask), _tokens(model, policy, ids, mask, fold_rotation=False))
+
+
+def test_a_failing_decode_gives_the_original_weights_back(monkeypatch):
+    from kvcompose.hf.static import StaticDecoder
+
+    model = tiny_model("qwen2")
+    before = [p.detach().clone() for p in model.parameters()]
+    step, calls = StaticDecoder.step, []
+
+    def failing(decoder, tokens, plan):
+        calls.append(decoder)
+        if len(calls) == 3:
+            assert decoder.cache.layers[0].rotation_in_weights  # folded while it runs
+            raise KeyboardInterrupt
+        return step(decoder, tokens, plan)
+
+    monkeypatch.setattr(StaticDecoder, "step", failing)
+    cache = Policy.from_preset("fullkv", rotation="hadamard").make_cache(model)
+    _, ids, mask = left_padded([9, 12])
+    with pytest.raises(KeyboardInterrupt):
+        fast_generate(model, cache, ids, mask, 10)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not any(layer.rotation_in_weights for layer in cache.layers)

@@ -12,8 +12,14 @@ work on the values or the output at all.
 back on exit, untouched: the folded weights are new tensors, so the model holds one more value
 and output projection per layer while it decodes. It folds only attention classes whose value
 projection feeds the cache and whose output projection reads the attention output with nothing
-in between (:data:`FOLDABLE_ATTENTION`); other layers, and projections that are not plain
-``nn.Linear`` (hooks, tensor-parallel shards), keep the rotation in the cache.
+in between (:data:`FOLDABLE_ATTENTION`); other layers, projections that are not plain
+``nn.Linear`` (hooks, tensor-parallel shards) and projections shared between layers keep the
+rotation in the cache.
+
+The folded weights are rounded to the model's dtype once, where the cache rounds the rotated
+values and outputs at every step: the same size of error, but in bf16 not the same bits, so
+a folded static decode may part from the eager tokens after some steps, as a fused one may
+(``fast_generate(..., fold_rotation=False)`` keeps the cache's rounding).
 """
 
 from __future__ import annotations
@@ -42,11 +48,7 @@ def rotation_in_weights(model, cache):
     runtimes = []
     try:
         with torch.no_grad(), torch.inference_mode(False):  # the originals stay ordinary tensors
-            for index, layer in enumerate(_layers(model)):
-                runtime = cache.layers[index]
-                attention = _foldable_attention(layer)
-                if attention is None or not runtime.rotation_matrices:
-                    continue
+            for attention, runtime in _unshared(_foldable_layers(model, cache)):
                 forward, back, _ = runtime.rotation_matrices
                 if _fold(attention, _dense(forward), _dense(back), swapped):
                     runtime.rotation_in_weights = True
@@ -55,7 +57,7 @@ def rotation_in_weights(model, cache):
     finally:
         for runtime in runtimes:
             runtime.rotation_in_weights = False
-        for parameter, original in swapped:
+        for parameter, original in reversed(swapped):
             parameter.data = original
 
 
@@ -67,11 +69,38 @@ def _layers(model) -> list[torch.nn.Module]:
         return []
 
 
+def _foldable_layers(model, cache) -> list[tuple[torch.nn.Module, object]]:
+    """(attention module, its cache layer) of every foldable layer whose cache layer rotates; the
+    cache layer is the one the module's values go to (its ``layer_idx``)."""
+    found = []
+    for index, layer in enumerate(_layers(model)):
+        attention = _foldable_attention(layer)
+        if attention is not None:
+            runtime = cache.layers[getattr(attention, "layer_idx", index)]
+            if runtime.rotation_matrices:
+                found.append((attention, runtime))
+    return found
+
+
+def _unshared(layers: list) -> list:
+    """The layers none of whose value or output weights another layer holds too: a shared weight
+    would carry two layers' rotations, so those layers rotate in the cache."""
+    def weights(attention):
+        return [id(t) for m in (attention.v_proj, attention.o_proj) for t in (m.weight, m.bias) if t is not None]
+
+    seen: dict[int, int] = {}
+    for attention, _ in layers:
+        for key in weights(attention):
+            seen[key] = seen.get(key, 0) + 1
+    return [(a, r) for a, r in layers if all(seen[key] == 1 for key in weights(a))]
+
+
 def _foldable_attention(layer: torch.nn.Module) -> torch.nn.Module | None:
-    """The attention module of ``layer`` if its class is in :data:`FOLDABLE_ATTENTION` and its
-    value and output projections are :func:`~kvcompose.hf.projections.plain_linear`."""
+    """The attention module of ``layer`` if its class is transformers' own of a name in
+    :data:`FOLDABLE_ATTENTION` (not remote code of the same name) and its value and output
+    projections are :func:`~kvcompose.hf.projections.plain_linear`."""
     for module in layer.modules():
-        if type(module).__name__ in FOLDABLE_ATTENTION:
+        if type(module).__name__ in FOLDABLE_ATTENTION and type(module).__module__.startswith("transformers."):
             v, o = getattr(module, "v_proj", None), getattr(module, "o_proj", None)
             return module if plain_linear(v) and plain_linear(o) else None
     return None
