@@ -30,4 +30,6 @@ def test_the_step_down_levels_are_the_retention_chain():
     for _ in evictor.retention:
         chain.append(evictor._next(chain[-1]))
     assert torch.equal(levels, torch.stack(chain, -1))
-    assert levels[0, 8].tolist() == [65, 64, 32, 16, 8, 4] and levels[0, 2].tolist() == [4] * 6
+    assert levels[0].tolist() == [[0] * 6, [1] * 6, [4] * 6, [5, 4, 4, 4, 4, 4], [16, 8, 4, 4, 4, 4],
+                                  [17, 16, 8, 4, 4, 4], [63, 32, 16, 8, 4, 4], [64, 32, 16, 8, 4, 4],
+                                  [65, 64, 32, 16, 8, 4], [128, 64, 32, 16, 8, 4]]

@@ -66,13 +66,12 @@ class ThoughtEvictor(Evictor):
 
     def _next(self, size: torch.Tensor) -> torch.Tensor:
         """The next retention value below ``size`` (``size`` itself at or under the floor)."""
-        sched = device_constant(self.retention, size.device)
-        below = torch.where(sched[None, :] < size.reshape(-1, 1), sched[None, :], 0).amax(1).reshape(size.shape)
-        return torch.where(below > 0, below, size)
+        return self._levels(size)[..., 1]
 
     def _levels(self, size: torch.Tensor) -> torch.Tensor:
-        """``[..., R + 1]``: ``size``, then :meth:`_next` applied again and again (it reaches the
-        floor within ``R`` steps), from one search of the retention values rather than a pass each."""
+        """``[..., R + 1]``: ``size``, then the next retention value below, again and again (the
+        floor is reached within ``R`` steps; a size at or under it stays), from one search of
+        the retention values."""
         ascending = device_constant(tuple(sorted(self.retention)), size.device)
         below = torch.searchsorted(ascending, size.contiguous())[..., None]  # retention values under size
         step = torch.arange(len(self.retention) + 1, device=size.device)

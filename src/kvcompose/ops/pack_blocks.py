@@ -4,9 +4,9 @@ After an in-place eviction, a region whose rows share a reserve of blocks
 (:mod:`kvcompose.paging.row_reserve`, ThinKV's R and E) moves each row's newest tokens into
 its holes once they pile up, and gives every block without a live token back to the row's
 stack of free blocks. Both are decided row by row from the row's block table, written
-length and the pool's live bits. In torch ops that is some sixty small kernels per region
-and layer (running counts over every slot, masks, a scatter and a gather, a stable sort of
-the table), all launch time at decode batch sizes. :func:`pack_plan` and
+length and the pool's live bits. In torch ops each is about forty small kernels per region
+(running counts over every slot, masks, a scatter and a gather, a stable sort of the
+table), all launch time at decode batch sizes. :func:`pack_plan` and
 :func:`release_blocks` do each in one program per row.
 
 :func:`pack_plan_torch` and :func:`release_blocks_torch` are the plain-torch references (and
