@@ -8,6 +8,7 @@ results go to stdout only. The variants that keep the numbers exact print their 
 against the torch reference; the stand-ins' outputs are not checked.
 
     python benchmarks/tools/probe_native_gpu.py --variants base stages3 no_cvt no_scale no_decode
+    python benchmarks/tools/probe_native_gpu.py --variants base no_attend copy_only codes_only  # memory side
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ RESCALE = (
     "  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {\n"
     "#pragma unroll\n  for (int r = 0; r < S::VTILES; ++r) {\n    st.acc[r][0] *= alpha[0];\n"
     "    st.acc[r][1] *= alpha[1];\n    st.acc[r][2] *= alpha[0];\n    st.acc[r][3] *= alpha[1];\n  }\n  }")
+READ = ("    read_tile<F, D>(tile, base + (i % STAGES) * Stage<F, D>::BYTES, at, start + i * TILE + lane < end, gid, tig,\n"
+        "                    lane);\n")
+ATTEND = "    attend_tile<F, D>(tile, st, qf, key_scale, gid, tig);\n"
+SIDE_COPIES = ("  copy_async<D / 16>(stage + St::KS + (D / 16) * lane, p.ks + at, slot >= 0);\n",
+               "  copy_async<D / 16>(stage + St::VS + (D / 16) * lane, p.vs + at, slot >= 0);\n",
+               "  if ((lane & 3) == 0) copy_async<4>(stage + St::VALID + lane, p.valid + max(slot, 0), slot >= 0);\n")
 #: variant -> [(text, replacement)] applied to the kernel's source
 VARIANTS = {
     "base": [],
@@ -61,6 +68,12 @@ VARIANTS = {
     "lazy_rescale": [RESCALE],
     # stand-in: the softmax's exponentials removed
     "no_exp": [(f"fast_exp2({x} - m_safe)", f"({x} - m_safe)") for x in ("st.m[e]", "s[j][e]", "s[j][e + 2]")],
+    # stand-ins for the memory side alone: the ring of copies and the fragment reads, no products or softmax
+    "no_attend": [(ATTEND, "")],
+    # ... the ring of copies alone
+    "copy_only": [(READ, ""), (ATTEND, "")],
+    # ... the copies of the code rows alone (no scales, no validity)
+    "codes_only": [(READ, ""), (ATTEND, ""), *[(line, "") for line in SIDE_COPIES]],
 }
 #: variants whose outputs are exact (the rest replace part of the decode by a stand-in)
 EXACT = {"base", "stages3", "lb18", "split_k", "lazy_rescale"}

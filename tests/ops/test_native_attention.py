@@ -27,6 +27,8 @@ def test_native_kernel_takes_only_the_pools_it_was_written_for():
     assert not native.fits(query.float(), make_source("nvfp4", [20, 3], 2, 128))
     assert not native.fits(torch.zeros(2, 8, 1, 32, dtype=torch.bfloat16), make_source("nvfp4", [20, 3], 2, 32))
     assert not native.fits(torch.zeros(2, 32, 1, 128, dtype=torch.bfloat16), make_source("nvfp4", [20, 3], 2, 128))
+    assert native.fits(query, make_source("nvfp4", [20, 3], 2, 128, bs=32))
+    assert not native.fits(query, make_source("nvfp4", [20, 3], 2, 128, bs=12))  # the kernel shifts by the block size
 
 
 def test_cpu_steps_never_plan_the_native_kernel():

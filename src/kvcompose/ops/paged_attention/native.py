@@ -58,7 +58,8 @@ def fits(query: torch.Tensor, src: PagedSource) -> bool:
     return (fmt in FORMATS and src.value.fmt == fmt and query.shape[-1] in FORMAT_HEAD_DIMS[fmt]
             and query.dtype in (torch.bfloat16, torch.float16) and query.shape[1] // H <= MAX_GROUP
             and src.table.dtype == torch.int64 and src.key.codes.is_contiguous() and src.value.codes.is_contiguous()
-            and src.block_size % 4 == 0 and src.valid.data_ptr() % 4 == 0  # validity is copied four slots at once
+            and src.block_size >= 4 and src.block_size & (src.block_size - 1) == 0  # the kernel shifts by it
+            and src.valid.data_ptr() % 4 == 0  # validity is copied four slots at once
             and src.key.scale.is_contiguous() and src.value.scale.is_contiguous()
             and max(src.key.codes.numel(), src.value.codes.numel()) < 2 ** 32  # the kernel's 32-bit offsets
             and all(t.data_ptr() % 16 == 0 for t in (src.key.codes, src.key.scale, src.value.codes, src.value.scale)))

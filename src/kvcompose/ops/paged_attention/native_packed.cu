@@ -269,17 +269,20 @@ __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_grou
 // scales one copy per token; validity four tokens' bytes per copy (a block holds a multiple of
 // four tokens, and a tile starts a block).
 template <int F, int D>
-__device__ __forceinline__ void issue_tile(uint32_t stage, int slot, const Pools& p, int lane) {
+__device__ __forceinline__ void issue_tile(uint32_t stage, int slot, const Pools& p, int lane, uint32_t copy_at) {
   using St = Stage<F, D>;
   constexpr int CHUNKS = Shape<F, D>::CHUNKS;
+  constexpr uint32_t NONE = 0xffffffffu;
+  // each lane takes the code offset of the token whose chunks it copies (NONE: no slot)
+  const uint32_t code = slot >= 0 ? (uint32_t)slot * p.code_stride + p.code_at : NONE;
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
     const int chunk = lane + 32 * i, t = chunk / CHUNKS, c = chunk % CHUNKS;
-    const int s = __shfl_sync(0xffffffffu, slot, t);
-    const uint32_t at = (uint32_t)max(s, 0) * p.code_stride + p.code_at + 16 * c;
-    const uint32_t dst = 16 * swizzle(chunk);
-    copy_async<16>(stage + St::K + dst, p.kc + at, s >= 0);
-    copy_async<16>(stage + St::V + dst, p.vc + at, s >= 0);
+    const uint32_t at = __shfl_sync(0xffffffffu, code, t);
+    const bool ok = at != NONE;
+    const uint32_t from = (ok ? at : 0u) + 16 * c;
+    copy_async<16>(stage + St::K + copy_at + 512 * i, p.kc + from, ok);  // chunk i sits 32 chunks on
+    copy_async<16>(stage + St::V + copy_at + 512 * i, p.vc + from, ok);
   }
   const uint32_t at = (uint32_t)max(slot, 0) * p.scale_stride + p.scale_at;
   copy_async<D / 16>(stage + St::KS + (D / 16) * lane, p.ks + at, slot >= 0);
@@ -310,36 +313,60 @@ __device__ __forceinline__ uint32_t load_shared_u16(uint32_t at) {
   return r;
 }
 
+// A lane's byte offsets within a stage, computed once per program (the loop would recompute the
+// swizzle of every read): the first code chunk it copies, its key rows (tokens gid, gid + 8) and its
+// value rows (tokens 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9). The swizzle moves a chunk 32 chunks on,
+// and a row 16 tokens on, by exactly that many bytes, so every other offset is one of these plus a
+// constant.
+struct LaneAt {
+  uint32_t copy, k[2], v[4];
+};
+
+template <int F, int D>
+__device__ __forceinline__ LaneAt lane_offsets(int lane, int gid, int tig) {
+  using S = Shape<F, D>;
+  static_assert(S::CHUNKS >= 2, "16 tokens on must leave the swizzle's bits alone");
+  LaneAt at;
+  at.copy = 16 * swizzle(lane);
+#pragma unroll
+  for (int kt = 0; kt < 2; ++kt) at.k[kt] = code_at<F, D>(key_token(kt, gid), (S::ROW / 4) * tig);
+#pragma unroll
+  for (int vt = 0; vt < 4; ++vt) at.v[vt] = code_at<F, D>(value_token(vt, tig), (S::ROW / 8) * gid);
+  return at;
+}
+
 // A lane's fragments of one tile, read from its stage; `live`: the lane's token is in the split.
 template <int F, int D>
-__device__ __forceinline__ void read_tile(Tile<F, D>& t, uint32_t stage, bool live, int gid, int tig, int lane) {
+__device__ __forceinline__ void read_tile(Tile<F, D>& t, uint32_t stage, const LaneAt& at, bool live, int gid,
+                                          int tig, int lane) {
   using S = Shape<F, D>;
   using St = Stage<F, D>;
 #pragma unroll
   for (int kt = 0; kt < 4; ++kt) {
     const int tok = key_token(kt, gid);
-    load_shared<S::KWORDS>(stage + St::K + code_at<F, D>(tok, (S::ROW / 4) * tig), t.k[kt]);
+    load_shared<S::KWORDS>(stage + St::K + at.k[kt & 1] + 16 * S::ROW * (kt >> 1), t.k[kt]);
     const uint32_t at = stage + St::KS + (D / 16) * tok + (D / 64) * tig;
     t.kscale[kt] = D == 128 ? load_shared_u16(at) : load_shared_u8(at);
   }
 #pragma unroll
   for (int vt = 0; vt < 8; ++vt) {
     const int tok = value_token(vt, tig);
-    load_shared<S::VWORDS>(stage + St::V + code_at<F, D>(tok, (S::ROW / 8) * gid), t.v[vt]);
+    load_shared<S::VWORDS>(stage + St::V + at.v[vt & 3] + 16 * S::ROW * (vt >> 2), t.v[vt]);
     t.vscale[vt] = load_shared_u8(stage + St::VS + (D / 16) * tok + (D * gid) / 128);
   }
   t.lane_ok = live && load_shared_u8(stage + St::VALID + lane) != 0;
 }
 
 // The block of the lane's token t (-1 beyond end): loaded a tile ahead of its use, so that the
-// table's latency never stalls the loop.
-__device__ __forceinline__ int64_t lane_block(const int64_t* __restrict__ table, int64_t row, int W, int BS, int t,
-                                              int end) {
-  return t < end ? table[row * W + t / BS] : -1;
+// table's latency never stalls the loop. Blocks hold 2^bs_shift slots: a shift, where a division by
+// a block size known only at run time cost about 30 instructions per tile.
+__device__ __forceinline__ int64_t lane_block(const int64_t* __restrict__ table, int64_t row, int W, int bs_shift,
+                                              int t, int end) {
+  return t < end ? table[row * W + (t >> bs_shift)] : -1;
 }
 
-__device__ __forceinline__ int lane_slot(int64_t blk, int BS, int t) {
-  return blk < 0 ? -1 : (int)(blk * BS + t % BS);
+__device__ __forceinline__ int lane_slot(int64_t blk, int bs_shift, int t) {
+  return blk < 0 ? -1 : (int)((blk << bs_shift) + (t & ((1 << bs_shift) - 1)));
 }
 
 // The online-softmax state of one program: running maximum and sum of the lane's two query
@@ -357,6 +384,9 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
                                             float key_scale, int gid, int tig) {
   using S = Shape<F, D>;
   const uint32_t ok = __ballot_sync(0xffffffffu, t.lane_ok);  // bit x: token x of the tile takes part
+  // the same bits from the lane's first key token (gid) and first value token (2 tig) on: every test
+  // below is then of a constant bit
+  const uint32_t key_ok = ok >> gid, value_ok = ok >> (2 * tig);
 
   // scores, transposed: s[j] = tokens 16 j + (gid, gid + 8) x query heads (2 tig, 2 tig + 1)
   float s[2][4];
@@ -376,7 +406,7 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
       mma16816(s[j], a0[2 * kk], a1[2 * kk], a0[2 * kk + 1], a1[2 * kk + 1], qf[kk][0], qf[kk][1]);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const bool live = (ok >> (16 * j + gid + 8 * (c >> 1))) & 1u;
+      const bool live = (key_ok >> (16 * j + 8 * (c >> 1))) & 1u;
       s[j][c] = live ? s[j][c] * key_scale : -INFINITY;
     }
   }
@@ -418,8 +448,8 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const int v0 = 4 * j + 2 * p, v1 = v0 + 1;
-      const uint32_t s0 = (ok >> value_token(v0, tig)) & 1u ? t.vscale[v0] : 0u;
-      const uint32_t s1 = (ok >> value_token(v1, tig)) & 1u ? t.vscale[v1] : 0u;
+      const uint32_t s0 = (value_ok >> value_token(v0, 0)) & 1u ? t.vscale[v0] : 0u;
+      const uint32_t s1 = (value_ok >> value_token(v1, 0)) & 1u ? t.vscale[v1] : 0u;
       const uint32_t sc = scale_pair(s0 | (s1 << 8));
 #pragma unroll
       for (int vw = 0; vw < S::VWORDS; ++vw)
@@ -447,7 +477,7 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
     const T* __restrict__ q, float* __restrict__ part, float* __restrict__ lse, const uint8_t* __restrict__ valid,
     const uint8_t* __restrict__ kc, const uint8_t* __restrict__ ks, const float* __restrict__ khs,
     const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs, const float* __restrict__ vhs, const Regions R,
-    int H, int G, int BS, int total, float qk_scale) {
+    int H, int G, int bs_shift, int total, float qk_scale) {
   using S = Shape<F, D>;
   const int row = blockIdx.x / H, head = blockIdx.x % H;
   // The region of this program and its split within it (constant indices: the fields stay parameters).
@@ -464,7 +494,7 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
   }
   const int lane = threadIdx.x, gid = lane >> 2, tig = lane & 3;
   const int Hq = H * G;
-  int limit = W * BS;
+  int limit = W << bs_shift;
   if (extent != nullptr) {
     limit = min((int)extent[row], limit);
     per = cdiv(cdiv(limit, n_splits), TILE) * TILE;
@@ -512,25 +542,27 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
   __shared__ __align__(128) uint8_t ring[STAGES][Stage<F, D>::BYTES];
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   const int tiles = start < end ? cdiv(end - start, TILE) : 0;
-  int64_t blk = lane_block(table, row, W, BS, start + lane, end);
+  const LaneAt at = lane_offsets<F, D>(lane, gid, tig);
+  int64_t blk = lane_block(table, row, W, bs_shift, start + lane, end);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     const int t = start + i * TILE + lane;
-    const int slot = lane_slot(blk, BS, t);
-    blk = lane_block(table, row, W, BS, t + TILE, end);
-    if (i < tiles) issue_tile<F, D>(base + i * Stage<F, D>::BYTES, slot, p, lane);
+    const int slot = lane_slot(blk, bs_shift, t);
+    blk = lane_block(table, row, W, bs_shift, t + TILE, end);
+    if (i < tiles) issue_tile<F, D>(base + i * Stage<F, D>::BYTES, slot, p, lane, at.copy);
     commit_copies();
   }
   Tile<F, D> tile;
   for (int i = 0; i < tiles; ++i) {
     const int ahead = i + STAGES - 1, t = start + ahead * TILE + lane;
-    const int slot = lane_slot(blk, BS, t);
-    blk = lane_block(table, row, W, BS, t + TILE, end);
+    const int slot = lane_slot(blk, bs_shift, t);
+    blk = lane_block(table, row, W, bs_shift, t + TILE, end);
     wait_copies<STAGES - 2>();  // this lane's copies of tile i have landed
     __syncwarp();               // every lane's have, and every lane has read tile i - 1's stage
-    if (ahead < tiles) issue_tile<F, D>(base + (ahead % STAGES) * Stage<F, D>::BYTES, slot, p, lane);
+    if (ahead < tiles) issue_tile<F, D>(base + (ahead % STAGES) * Stage<F, D>::BYTES, slot, p, lane, at.copy);
     commit_copies();
-    read_tile<F, D>(tile, base + (i % STAGES) * Stage<F, D>::BYTES, start + i * TILE + lane < end, gid, tig, lane);
+    read_tile<F, D>(tile, base + (i % STAGES) * Stage<F, D>::BYTES, at, start + i * TILE + lane < end, gid, tig,
+                    lane);
     attend_tile<F, D>(tile, st, qf, key_scale, gid, tig);
   }
 
@@ -589,13 +621,17 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::v
     splits += n_splits[r];
   }
   R.count = count;
+  TORCH_CHECK(block_size >= 4 && (block_size & (block_size - 1)) == 0, "packed partial kernel: block size ",
+              block_size, "; accepted: a power of two, at least 4");
+  int bs_shift = 0;
+  while ((int64_t{1} << bs_shift) < block_size) ++bs_shift;
   TORCH_CHECK(splits <= 65535, "packed partial kernel: ", splits, " splits per (row, KV head); at most 65535");
   dim3 grid(B * H, splits);
   auto stream = at::cuda::getCurrentCUDAStream();
   packed_partial_kernel<F, D, T><<<grid, 32, 0, stream>>>(
       reinterpret_cast<const T*>(q.data_ptr()), part.data_ptr<float>(), lse.data_ptr<float>(),
       valid.data_ptr<uint8_t>(), kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(), khs.data_ptr<float>(),
-      vc.data_ptr<uint8_t>(), vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(), R, H, Hq / H, (int)block_size,
+      vc.data_ptr<uint8_t>(), vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(), R, H, Hq / H, bs_shift,
       (int)total, (float)qk_scale);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
