@@ -3,12 +3,15 @@
 Each variant is the kernel's source with one text substitution (more stages in the shared-memory
 ring, or a part of the decode replaced by a cheaper stand-in that gives wrong numbers), built under
 its own name and timed on the NVFP4 pool of :mod:`bench_attention_gpu`.
-A stand-in that speeds the kernel up a lot names the part worth rewriting. A development tool:
-results go to stdout only. The variants that keep the numbers exact print their largest error
+A stand-in that speeds the kernel up a lot names the part worth rewriting. Results go to stdout
+and, with ``--out``, are appended to a history file (``benchmarks/results/probe_native_gpu.json``
+is where the docs read them). The variants that keep the numbers exact print their largest error
 against the torch reference; the stand-ins' outputs are not checked.
 
     python benchmarks/tools/probe_native_gpu.py --variants base stages3 no_cvt no_scale no_decode
     python benchmarks/tools/probe_native_gpu.py --variants base no_attend copy_only codes_only  # memory side
+    python benchmarks/tools/probe_native_gpu.py --variants copy_only head_major_copy base head_major \
+        --out benchmarks/results/probe_native_gpu.json
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness and the attention benchmark
 
 import bench_attention_gpu as bench  # noqa: E402
+from harness.results import ResultLog  # noqa: E402
 from harness.timing import copy_tbps, graph_ms  # noqa: E402
 
 from kvcompose.ops.paged_attention import bytes_read, native, paged_decode_attention  # noqa: E402
@@ -50,6 +54,13 @@ ATTEND = "    attend_tile<F, D>(tile, st, qf, key_scale, gid, tig);\n"
 SIDE_COPIES = ("  copy_async<D / 16>(stage + St::KS + (D / 16) * lane, p.ks + at, slot >= 0);\n",
                "  copy_async<D / 16>(stage + St::VS + (D / 16) * lane, p.vs + at, slot >= 0);\n",
                "  if ((lane & 3) == 0) copy_async<4>(stage + St::VALID + lane, p.valid + max(slot, 0), slot >= 0);\n")
+HEAD_MAJOR = [
+    ("  const uint32_t code = slot >= 0 ? (uint32_t)slot * p.code_stride + p.code_at : NONE;",
+     "  const uint32_t code = slot >= 0 ? (uint32_t)(slot & ~15) * p.code_stride + 16 * p.code_at\n"
+     "                                    + (uint32_t)(slot & 15) * Shape<F, D>::ROW : NONE;"),
+    ("  const uint32_t at = (uint32_t)max(slot, 0) * p.scale_stride + p.scale_at;",
+     "  const uint32_t at = (uint32_t)(max(slot, 0) & ~15) * p.scale_stride + 16 * p.scale_at\n"
+     "                      + (uint32_t)(max(slot, 0) & 15) * (D / 16);")]
 #: variant -> [(text, replacement)] applied to the kernel's source
 VARIANTS = {
     "base": [],
@@ -74,6 +85,13 @@ VARIANTS = {
     "copy_only": [(READ, ""), (ATTEND, "")],
     # ... the copies of the code rows alone (no scales, no validity)
     "codes_only": [(READ, ""), (ATTEND, ""), *[(line, "") for line in SIDE_COPIES]],
+    # ... the ring of copies alone with two or three tiles in flight per program instead of one
+    "copy_only_3": [(READ, ""), (ATTEND, ""), ("constexpr int STAGES = 2;", "constexpr int STAGES = 3;")],
+    "copy_only_4": [(READ, ""), (ATTEND, ""), ("constexpr int STAGES = 2;", "constexpr int STAGES = 4;")],
+    # stand-ins: the pools read as if each 16-slot block kept a head's codes and scales together (head
+    # major: [block, head, slot, bytes]), so a program's reads of one block are contiguous
+    "head_major": HEAD_MAJOR,
+    "head_major_copy": [(READ, ""), (ATTEND, ""), *HEAD_MAJOR],
 }
 #: variants whose outputs are exact (the rest replace part of the decode by a stand-in)
 EXACT = {"base", "stages3", "lb18", "split_k", "lazy_rescale"}
@@ -111,11 +129,12 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--shapes", nargs="*", default=["16x8192x128", "64x4096x128", "256x1024x128"])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", default=None, help="history file the run is added to (default: stdout only)")
     args = p.parse_args(argv)
     copy = copy_tbps("cuda")
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
-    data = {}
+    data, rows = {}, []
     for b, l, d in shapes:
         q = torch.randn(b, bench.Q_HEADS, 1, d, device="cuda", dtype=torch.bfloat16)
         sources = bench.build("nvfp4", b, l, "cuda", d)
@@ -126,13 +145,19 @@ def main(argv=None) -> int:
         cells = []
         for (b, l, d), (q, sources, nbytes) in data.items():
             ms = graph_ms(lambda: paged_decode_attention(q, sources, d ** -0.5, backend="cuda"), args.repeats)
-            cells.append(f"{b}x{l}x{d}={ms * 1e3:.1f}us {nbytes / ms / 1e9 / copy:.0%}"
-                         f"/p{native.resident_programs(0, d, True)}")
+            programs = native.resident_programs(0, d, True)
+            rows.append({"variant": name, "exact": name in EXACT, "batch": b, "tokens": l, "head_dim": d, "ms": ms,
+                         "bytes": nbytes, "fraction_of_copy": nbytes / ms / 1e9 / copy, "programs_per_sm": programs})
+            cells.append(f"{b}x{l}x{d}={ms * 1e3:.1f}us {nbytes / ms / 1e9 / copy:.0%}/p{programs}")
         error = ""
         if name in EXACT:
             q, sources, _ = next(iter(data.values()))
             error = f"  max abs error {bench.check(q, sources, 'cuda'):.2e}"
         print(f"{name:10s} " + "  ".join(cells) + error, flush=True)
+    if args.out:
+        run = {"benchmark": "CUDA NVFP4 kernel variants", "copy_tb_per_s": copy, "repeats": args.repeats,
+               "variants": {n: VARIANTS[n] for n in args.variants}, "results": rows}
+        print(f"wrote {ResultLog(args.out).save(run)}")
     return 0
 
 

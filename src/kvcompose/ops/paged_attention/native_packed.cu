@@ -229,10 +229,11 @@ struct Pools {
 // while the tile before it is computed (the copies hold no registers). Per operand the tile's
 // code rows [TILE][D / 2], then per operand its block scales [TILE][D / 16], then TILE validity
 // bytes. On an H200 (16 x 8K, 64 x 4K, 256 x 1K, head dim 128; benchmarks/results/attention_gpu.json):
-// 51-57% of the copy bandwidth, against 42-46% when the next tile waited in registers. Three stages were slower
-// (fewer programs per SM), and so were programs of two to eight heads copying each slot's codes
-// whole. With the decoding replaced by a stand-in (benchmarks/tools/probe_native_gpu.py) the loop
-// is no faster: the products, the softmax and the reads of the stage hold it at this level.
+// 54-58% of the copy bandwidth, against 42-46% when the next tile waited in registers. What holds it
+// there is the reads themselves (benchmarks/tools/probe_native_gpu.py): this ring of copies with no
+// products, softmax or decode ran no faster than the whole kernel, and neither fewer instructions nor
+// more programs per SM helped. A head's 64-byte rows lie 512 bytes apart in the slot-major pools;
+// read as if a block kept each head's rows together, the copies ran markedly faster.
 //
 // Code rows are stored in 16-byte chunks, swizzled: chunk i = t CHUNKS + c (token t, chunk c of its
 // row) sits at i ^ (2 (i >> 3) & 6), which spreads every NVFP4 fragment read below over all banks.
