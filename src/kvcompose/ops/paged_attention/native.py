@@ -40,10 +40,10 @@ ENABLED = os.environ.get("KVCOMPOSE_NATIVE_ATTENTION", "1") != "0"
 FORMATS = {"nvfp4": 0, "ternary": 1}
 FORMAT_HEAD_DIMS = {"nvfp4": (64, 128), "ternary": (128,)}
 #: Head dims where ``backend=None`` picks the CUDA kernel: measured on an H200
-#: (``benchmarks/results/attention_gpu.json``), it beat the Triton kernel at 128 (1.07-1.53x on
-#: NVFP4 pools, 1.05-1.18x on ThinKV's mixed store); at 64 it won on an NVFP4 pool (1.14x at
-#: 16 x 8K) and lost on the mixed store (0.93x), so head dim 64 runs it only when asked.
-AUTO_HEAD_DIMS = (128,)
+#: (``benchmarks/results/attention_gpu.json``, run of 2026-11-29), it beat the Triton kernel at
+#: 128 (1.18-1.66x on NVFP4 pools, 1.25-1.48x on ThinKV's store) and at 64 on an NVFP4 pool
+#: (1.14x at 16 x 8K), and tied it there on ThinKV's store (its ternary pool stays in Triton).
+AUTO_HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head: the mma's 8 columns
 SOURCE = Path(__file__).with_name("native_packed.cu")
 _STATE: dict = {}  # device index -> (module or None, reason)
