@@ -39,6 +39,7 @@ from kvcompose.ops.paged_attention import (
     KVOperand,
     PagedSource,
     bytes_read,
+    head_major,
     paged_decode_attention,
     paged_decode_attention_torch,
 )
@@ -62,6 +63,7 @@ FORMATS = {  # label -> (key quantizer spec, value quantizer spec); None: bf16 a
 }
 BLOCK_SIZES = {"kivi2": 32}  # the kivi2 preset's blocks and token groups (16-slot blocks elsewhere)
 UNIT = {"fp8": 1 / 448, "nvfp4": 1 / (6 * 448), "ternary": 1 / 448}
+LAYOUT = "slot"  # "head": the pools' per-slot tensors head-major (formats.row_layout); --layout
 TARGETS = {"frac_copy": 0.8, "speedup": {"nvfp4": 3.0, "ternary": 3.0, "fp8": 1.8, "bf16": 1.0}}
 
 
@@ -125,7 +127,8 @@ def build_pool(specs: tuple, bs: int, B: int, L: int, device, dim: int, seed: in
     buffer = PagedSource(KVOperand("dense", buf[0]), KVOperand("dense", buf[1]),
                          torch.arange(B, device=device)[:, None], BUFFER, torch.ones(B * BUFFER, dtype=torch.bool,
                                                                                       device=device))
-    return [PagedSource(key, value, table, bs, valid), buffer]
+    pool = PagedSource(key, value, table, bs, valid)
+    return [head_major(pool) if LAYOUT == "head" else pool, buffer]
 
 
 def sdpa_ms(query: torch.Tensor, B: int, L: int) -> tuple[float, str]:
@@ -185,7 +188,7 @@ def run(shapes, formats, repeats: int, kernels: list[str]) -> tuple[float, list[
                        "speedup_vs_bf16_kernel": None if bf16_ms is None else bf16_ms / ms,
                        "max_abs_diff_vs_reference": check(query, sources, kernel),
                        "launch": dict(zip(("tile_tokens", "warps"), TILE_SHAPE)) if kernel == "triton" else
-                       {"tile_tokens": NATIVE_TILE, "warps": 1}}
+                       {"tile_tokens": NATIVE_TILE, "warps": 1}, "layout": LAYOUT}
                 results.append(row)
                 print(f"{label:8s} {kernel:6s} B={B:4d} L={L:6d} D={dim:3d}  {ms:8.4f} ms  {tbps:5.2f} TB/s  "
                       f"{row['fraction_of_copy']:5.1%} of copy  sdpa {base_ms:8.4f} ms ({backend})  "
@@ -211,8 +214,12 @@ def main(argv=None) -> int:
                    help="cuda: the CUDA kernel, timed where it takes the format and is built")
     p.add_argument("--riders-in-merge", choices=["native", "always", "never"], default=launch.RIDERS_IN_MERGE,
                    help="where the recent buffer beside CUDA-read pools is computed (launch.RIDERS_IN_MERGE)")
+    p.add_argument("--layout", choices=["slot", "head"], default="slot",
+                   help="how the pools' (slot, head) rows lie: slot-major as the store keeps them, or head-major")
     p.add_argument("--out", default=str(result_path("attention_gpu")), help="history file the run is added to")
     args = p.parse_args(argv)
+    global LAYOUT
+    LAYOUT = args.layout
     if not torch.cuda.is_available():
         print("bench_attention_gpu needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -227,7 +234,7 @@ def main(argv=None) -> int:
     data = {"benchmark": "fused paged decode attention vs bf16 SDPA", "smoke": args.smoke,
             "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "block_size": BLOCK, "mixed": MIXED, "block_sizes": BLOCK_SIZES,
                        "buffer_tokens": BUFFER},
-            "riders_in_merge": args.riders_in_merge,
+            "riders_in_merge": args.riders_in_merge, "layout": args.layout,
             "targets": TARGETS, "copy_tb_per_s": copy, "native_kernel": status, "results": results,
             "seconds": time.perf_counter() - wall}
     if not args.smoke:

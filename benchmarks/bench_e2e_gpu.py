@@ -46,7 +46,8 @@ The environment (GPU, versions, git commit and dirty flag) is read by the script
     python benchmarks/bench_e2e_gpu.py --scenarios a --out benchmarks/results/e2e_gpu.json
 
 A policy named ``preset+rotation`` (``nvfp4+hadamard``) is the preset with that rotation of the
-stored keys and values; its records carry that name.
+stored keys and values, and ``preset@head`` (``thinkv@head``) the preset with its pools' rows by
+head (``Policy.pool_layout``); their records carry that name.
 """
 
 from __future__ import annotations
@@ -101,12 +102,16 @@ def build_model(smoke: bool, device: str = "cuda"):
 
 def make_policy(name: str, budget: int, smoke: bool):
     """The preset ``name`` as the scenario runs it; ``preset+rotation`` (``nvfp4+hadamard``) adds
-    that rotation of the stored keys and values."""
+    that rotation of the stored keys and values, ``preset@layout`` (``thinkv@head``) that pool
+    layout (``Policy.pool_layout``)."""
     from kvcompose import Policy
     from kvcompose.speed import warm_up_policy
 
+    name, _, layout = name.partition("@")
     name, _, rotation = name.partition("+")
     overrides = {"rotation": rotation} if rotation else {}
+    if layout:
+        overrides["pool_layout"] = layout
     if name in BUDGETED:
         overrides["budget"] = budget
     if name.startswith("thinkv"):

@@ -276,9 +276,10 @@ def _throughput_svg(records: list[dict]) -> str:
 
 def full_attention_grid(runs: list[dict]) -> dict | None:
     """The newest run of the whole grid at the default launch settings: runs of a few formats
-    (``--formats``) or with the recent buffer placed otherwise (``--riders-in-merge``) answer a
-    narrower question and stay in the JSON only."""
+    (``--formats``), with the recent buffer placed otherwise (``--riders-in-merge``) or with
+    head-major pools (``--layout head``) answer a narrower question and stay in the JSON only."""
     full = [r for r in runs if not r.get("smoke") and r.get("riders_in_merge", "native") == "native"
+            and r.get("layout", "slot") == "slot"
             and any(x["format"] == "bf16" for x in r.get("results", ()))]
     return full[-1] if full else None
 

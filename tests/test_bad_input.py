@@ -431,6 +431,8 @@ CASES = [
     Case("refresh", lambda _: P(refresh=0), ValueError, "Policy.refresh must be an integer >= 1, got 0"),
     Case("protect-prompt", lambda _: P(protect_prompt="yes"), ValueError,
          "Policy.protect_prompt must be true or false, got 'yes'"),
+    Case("pool-layout", lambda _: P(pool_layout="heads"), ValueError,
+         "Policy.pool_layout='heads'; accepted: 'slot', 'head'"),
     Case("scale-headroom", lambda _: P(scale_headroom=0.5), ValueError,
          "Policy.scale_headroom must be a number >= 1 and finite, got ..."),
     Case("scale-headroom-inf", lambda _: P(scale_headroom=float("inf")), ValueError,

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_sass import compile_for_hopper  # noqa: E402
 
-from kvcompose.ops import rotate_rows  # noqa: E402
+from kvcompose.ops import rotate_rows, scatter_slots  # noqa: E402
 from kvcompose.ops.paged_attention import formats, kernels, launch  # noqa: E402
 
 # (key format, value format, codes dtype, scale dtype, bits)
@@ -24,20 +24,21 @@ PAIRS = [("dense", "dense", "bf16", "fp32", 0), ("fp8", "fp8", "u8", "fp32", 0),
 
 
 def partial_variant(kfmt, vfmt, codes, scale, bits, group, head_dim, scores, block=launch.TILE_SHAPE[0],
-                    buffer=True):
-    """Signature and constants of one launch: a pool in the given formats, then (``buffer``)
-    the dense bf16 recent buffer on the light tile, as the store hands them over."""
+                    buffer=True, head_major=False):
+    """Signature and constants of one launch: a pool in the given formats (``head_major``: its
+    rows by head), then (``buffer``) the dense bf16 recent buffer on the light tile, as the
+    store hands them over."""
     def source(kc, ks, vc, vs):
         ptrs = ("*i32", "*u8", f"*{kc}", f"*{ks}", f"*{ks}", "*fp32", f"*{vc}", f"*{vs}", f"*{vs}", "*fp32")
-        return ptrs + ("i32",) * 6 + ("*i64",)  # ... first column, then the rows' extents
+        return ptrs + ("i32",) * 7 + ("*i64",)  # table width, head rows ... first column, then the rows' extents
 
     per = 8 // bits if bits else {"nvfp4": 2, "ternary": 4}.get(kfmt, 1)
     pool = dict(KFMT=formats.FORMATS[kfmt], VFMT=formats.FORMATS[vfmt], KBITS=bits, VBITS=bits, KGROUP=32, VGROUP=32, KTG=16,
                 KPER=per, VPER=per, KEX=kfmt in formats.EXACT_FORMATS, VEX=vfmt in formats.EXACT_FORMATS,
                 KFOLD=kfmt == "int_channel", BS=16, BLOCK=block, STAGES=launch.STAGES,  # KIVI: 16-slot token groups
-                EXTENT=not scores)
+                EXTENT=not scores, HM=head_major)
     dense = dict(KFMT=0, VFMT=0, KBITS=0, VBITS=0, KGROUP=1, VGROUP=1, KTG=1, KPER=1, VPER=1, KEX=False, VEX=False,
-                 KFOLD=False, BS=16, BLOCK=launch.SMALL_TILE, STAGES=launch.SMALL_STAGES, EXTENT=False)
+                 KFOLD=False, BS=16, BLOCK=launch.SMALL_TILE, STAGES=launch.SMALL_STAGES, EXTENT=False, HM=False)
     sources = [source(codes, scale, codes, scale)] + ([source("bf16", "fp32", "bf16", "fp32")] if buffer else [])
     consts = [tuple(c[n] for n in kernels.SOURCE_CONSTS) for c in [pool] + ([dense] if buffer else [])]
     sig = {"q_ptr": "*bf16", "out_ptr": "*fp32", "lse_ptr": "*fp32", "score_ptr": "*fp32", "total_splits": "i32",
@@ -58,6 +59,11 @@ def main(argv=None) -> int:
             print(f"partial {kfmt}/{vfmt} G={group} D={head_dim} tile {block} x {warps} warps: "
                   f"{len(kernel.asm['cubin'])} bytes of cubin", flush=True)
             count += 1
+        # the pool's rows by head (Policy.pool_layout="head")
+        sig, consts = partial_variant(kfmt, vfmt, codes, scale, bits, 8, 128, False, head_major=True)
+        kernel = compile_for_hopper(kernels._paged_partial_kernel, sig, consts, launch.TILE_SHAPE[1])
+        print(f"partial {kfmt}/{vfmt} head-major: {len(kernel.asm['cubin'])} bytes of cubin", flush=True)
+        count += 1
     # KIVI keys decoded per element (fp16 queries, token groups under 16 slots)
     sig, consts = partial_variant("int_channel", "int", "u8", "fp16", 2, 4, 128, False)
     kivi = dict(zip(kernels.SOURCE_CONSTS, consts["CONSTS"][0]), KFOLD=False)
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
     for group in (1, 4):  # the buffer's partial and the merge, beside the CUDA kernel's partial results
         sig, consts = partial_variant("dense", "dense", "bf16", "fp32", 0, group, 128, False, launch.SMALL_TILE,
                                       buffer=False)
-        consts = dict(consts, CONSTS=(consts["CONSTS"][0][:-3] + (launch.SMALL_TILE, launch.SMALL_STAGES, True),))
+        consts = dict(consts, CONSTS=(consts["CONSTS"][0][:-4] + (launch.SMALL_TILE, launch.SMALL_STAGES, True, False),))
         sig = {"q_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*i16", "final_lse_ptr": "*fp32",
                "S": "i32", "qk_scale": "fp32", "sources": sig["sources"]}
         merge = {k: consts[k] for k in launch.RIDER_MERGE_CONSTS}
@@ -92,6 +98,10 @@ def main(argv=None) -> int:
            "weight_ptr": "*fp32", "W": "i32", "tokens": "i32", "col0": "i32", "total_cols": "i32"}
     kernel = compile_for_hopper(kernels._mass_kernel, sig, dict(HQ=32, HP=32, BS=16, BLOCK=launch.MASS_BLOCK), launch.WARPS)
     print(f"attention mass: {len(kernel.asm['cubin'])} bytes of cubin")
+    count += 1
+    sig = {"rows_ptr": "*i32", "source_ptr": "*i64", "target_ptr": "*i64", "mask_ptr": "*i1", "n": "i32", "slots": "i32"}
+    kernel = compile_for_hopper(scatter_slots._copy_kernel, sig, dict(E=8, E_P=8, BLOCK=512), 4)
+    print(f"slot copies of a pack (per head where rows are head-major): {len(kernel.asm['cubin'])} bytes of cubin")
     print(f"compiled {count + 1} kernels")
     return 0
 

@@ -50,7 +50,7 @@ def device_source(source: str) -> str:
     for header in ("#include <torch/extension.h>", "#include <ATen/cuda/CUDAContext.h>"):
         device = device.replace(header, "")
     calls = "".join(f"  packed_partial_kernel<{f}, {d}, {t}><<<1, 32>>>(reinterpret_cast<const {t}*>(q), part, lse, "
-                    "valid, kc, ks, khs, vc, vs, vhs, R, 1, 4, 16, 1, 1.f);\n" for f, d, t in KERNELS)
+                    "valid, kc, ks, khs, vc, vs, vhs, R, 1, 4, 4, 1, 1.f, 0);\n" for f, d, t in KERNELS)
     return (device + "}  // namespace\n\nvoid launch_all(const void* q, float* part, float* lse, const uint8_t* valid, "
             "const uint8_t* kc, const uint8_t* ks, const float* khs, const uint8_t* vc, const uint8_t* vs, "
             "const float* vhs, Regions R) {\n" + calls + "}\n")

@@ -35,3 +35,22 @@ def test_the_mixed_store_holds_thinkvs_classes_as_the_preset_stores_them(bench, 
     assert slots.unique().numel() == slots.numel()  # the regions hold different blocks of the pool
     query = torch.randn(B, bench.Q_HEADS, 1, 64)
     assert paged_decode_attention_torch(query, sources, 0.125).isfinite().all()
+
+
+def test_head_major_pools_hold_the_same_store(bench, monkeypatch):
+    """``--layout head``: the pools' rows by head, the regions still of one pool, the same attention."""
+    from kvcompose.ops import dispatch
+    from kvcompose.ops.paged_attention import paged_decode_attention_torch, row_layout
+    from kvcompose.ops.paged_attention.native import pool_of
+
+    monkeypatch.setattr(dispatch, "use_triton", lambda *args: False)
+    B, L = 2, 3 * 64 + bench.BUFFER
+    query = torch.randn(B, bench.Q_HEADS, 1, 64)
+    slot_major = bench.build("mixed", B, L, "cpu", dim=64)
+    monkeypatch.setattr(bench, "LAYOUT", "head")
+    moved = bench.build("mixed", B, L, "cpu", dim=64)
+    r, e, t, buffer = moved
+    assert row_layout(r) == r.valid.numel() and row_layout(t) == t.valid.numel() and row_layout(buffer) == 0
+    assert pool_of(r) == pool_of(e)
+    torch.testing.assert_close(paged_decode_attention_torch(query, moved, 0.125),
+                               paged_decode_attention_torch(query, slot_major, 0.125), atol=0, rtol=0)

@@ -125,3 +125,11 @@ def test_start_batches_are_parsed_per_policy_and_bad_ones_are_named(bench):
     for bad in ("thinkv", "thinkv=0", "=5", "thinkv=x"):
         with pytest.raises(argparse.ArgumentTypeError, match="give policy=rows"):
             bench.start_batches(bad)
+
+
+def test_policy_names_add_a_rotation_and_a_pool_layout(bench):
+    policy = bench.make_policy("nvfp4+hadamard@head", 64, False)
+    assert policy.rotation.name == "hadamard" and policy.pool_layout == "head" and policy.precision["all"].name == "nvfp4"
+    assert bench.make_policy("rkv", 64, False).pool_layout == "slot"
+    with pytest.raises(ValueError, match="accepted: 'slot', 'head'"):
+        bench.make_policy("rkv@heads", 64, False)

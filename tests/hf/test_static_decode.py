@@ -65,6 +65,21 @@ def test_static_path_gives_the_eager_tokens_evictions_and_memory(llama, preset):
     assert static.static_decoder.eager_steps <= new - 1
 
 
+@pytest.mark.parametrize("preset", ["fp8", "kivi2", "rkv", "thinkv"])
+def test_head_major_pools_keep_the_same_tokens_and_memory(llama, preset):
+    """Eager and static decode with each head's slots together (``pool_layout="head"``) give the
+    slot-major run's tokens and hold as many bytes."""
+    _, ids, mask = left_padded([20, 13, 31])
+    new = 24 if preset in QUICK else NEW_TOKENS
+    runs = [_run_both(llama, Policy.from_preset(preset, **POLICIES[preset], pool_layout=layout), ids, mask, new)
+            for layout in ("slot", "head")]
+    (expected, got, eager, static), (head_expected, head_got, head_eager, head_static) = runs
+    assert torch.equal(head_expected, expected) and torch.equal(head_got, got)
+    assert _payload(head_eager) == _payload(eager) and _payload(head_static) == _payload(static)
+    pool = head_static.layers[0].store.regions[0].pool
+    assert not pool.flat_slots(pool.slots)[next(iter(pool.slots))].is_contiguous()
+
+
 def _by_position(view, row: int):
     """Positions, keys and values ``[H, n, D]`` of a row's live tokens, in position order."""
     live = view.valid[row]
@@ -358,16 +373,28 @@ def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(pres
     synchronize. The tokens match the references' run, and the run has every kind of step its
     schedule makes (flushes, evictions, refreshes). ThinKV with calibrated layers also
     measures their sparsity in its (captured) refresh steps."""
+    guarded_run(preset, monkeypatch)
+
+
+@pytest.mark.parametrize("preset", ["kivi2", "rkv", "thinkv"])
+def test_head_major_pools_decode_the_slot_major_tokens(preset, monkeypatch):
+    """``Policy.pool_layout="head"``: every per-step kernel (appends, attention, evictions, packs
+    and slot copies) on pools whose rows lie by head gives the slot-major reference run's tokens."""
+    guarded_run(preset, monkeypatch, layout="head")
+
+
+def guarded_run(preset: str, monkeypatch, layout: str = "slot") -> None:
     from kvcompose.hf.static import StaticDecoder
     from kvcompose.quantizers.codec import QuantCodec
 
     overrides, kinds = GUARDED_RUNS[preset]
     model = head_dim_64_llama()
-    policy = Policy.from_preset(preset, **{**POLICIES[preset], **overrides})
+    policy = Policy.from_preset(preset, **{**POLICIES[preset], **overrides, "pool_layout": layout})
+    reference = Policy.from_preset(preset, **{**POLICIES[preset], **overrides})
     _, ids, mask = left_padded([20, 13, 31])
     with monkeypatch.context() as patch:  # the reference run: quantizers by their torch references
         use_torch_references(patch)
-        expected = fast_generate(model, policy.make_cache(model), ids, mask, GUARDED_TOKENS)
+        expected = fast_generate(model, reference.make_cache(model), ids, mask, GUARDED_TOKENS)
     probe, step = QuantCodec._probe, StaticDecoder.step
     plans = []
 
@@ -386,6 +413,8 @@ def test_kernel_launching_code_of_the_replayed_steps_never_reads_the_device(pres
     picked = forced_step_kernels(monkeypatch)
     cache = policy.make_cache(model)
     assert torch.equal(fast_generate(model, cache, ids, mask, GUARDED_TOKENS), expected)
+    pool = cache.layers[0].store.regions[0].pool
+    assert pool.flat_slots(pool.slots)[next(iter(pool.slots))].is_contiguous() == (layout == "slot")
     assert cache.static_decoder.eager_steps == 0  # every step was guarded
     assert {"_append_token_kernel", "_paged_partial_kernel"} <= picked
     if preset == "thinkv":  # R and E share a row reserve: evictions pack and release its blocks

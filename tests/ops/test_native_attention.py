@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from kvcompose.ops.paged_attention import native, paged_decode_attention, paged_decode_attention_torch
+from kvcompose.ops.paged_attention import head_major, native, paged_decode_attention, paged_decode_attention_torch
 from kvcompose.ops.paged_attention import PagedSource
 from kvcompose.ops.paged_attention.launch import _native_plans, native_groups
 
@@ -29,6 +29,10 @@ def test_native_kernel_takes_only_the_pools_it_was_written_for():
     assert not native.fits(torch.zeros(2, 32, 1, 128, dtype=torch.bfloat16), make_source("nvfp4", [20, 3], 2, 128))
     assert native.fits(query, make_source("nvfp4", [20, 3], 2, 128, bs=32))
     assert not native.fits(query, make_source("nvfp4", [20, 3], 2, 128, bs=12))  # the kernel shifts by the block size
+    assert native.fits(query, head_major(make_source("nvfp4", [20, 3], 2, 128)))
+    odd = make_source("nvfp4", [20, 3], 2, 128)
+    odd.key.codes = odd.key.codes.transpose(0, 1).contiguous().transpose(0, 1)  # keys head-major, values not
+    assert not native.fits(query, odd)
 
 
 def test_cpu_steps_never_plan_the_native_kernel():
@@ -111,6 +115,10 @@ def test_cuda_native_kernel_matches_reference(fmt, group, head_dim, H):
     other = "ternary" if fmt == "nvfp4" else "nvfp4"  # ThinKV's store holds both
     check_native(query, [src, make_source(other, lengths, H, head_dim, holes=True, seed=4, device="cuda"), buffer])
     check_extent(query, [src, buffer], lengths, backend="cuda")
+    moved = head_major(holes)  # each head's rows together
+    assert list(_native_plans(query, [moved, buffer], False, "cuda")[1]) == [0]
+    check_native(query, [moved, buffer])
+    check_extent(query, [head_major(src), buffer], lengths, backend="cuda")
 
 
 @pytest.mark.gpu

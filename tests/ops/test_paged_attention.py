@@ -13,6 +13,7 @@ from kvcompose.ops.paged_attention import (
     KVOperand,
     PagedSource,
     bytes_read,
+    head_major,
     kernels,
     launch,
     paged_decode_attention,
@@ -157,6 +158,7 @@ def test_kivi_keys_with_and_without_scales_in_the_queries(token_group, bs, monke
         monkeypatch.setattr(launch, "TILE_SHAPE", shape)
         assert source_constants(query, src)["KFOLD"] == (shape[0] <= token_group)
         check_close(query, [src])
+    check_close(query, [head_major(src)])  # the codes' rows by head, the group scales as they are
     assert not source_constants(query.half(), src)["KFOLD"]  # q * scale could overflow fp16
 
 

@@ -17,6 +17,8 @@ def per_slot(kind: str, g: torch.Generator) -> torch.Tensor:
         return torch.randint(-1, 1000, (SLOTS,), generator=g)
     if kind == "mass":
         return torch.rand(SLOTS, generator=g)
+    if kind.startswith("head "):  # each head's rows together (a head-major pool)
+        return per_slot(kind[5:], g).transpose(0, 1).contiguous().transpose(0, 1)
     if kind == "codes":  # 2 heads x 24 bytes: whole words
         return torch.randint(0, 256, (SLOTS, 2, 24), generator=g, dtype=torch.uint8)
     return torch.randint(0, 256, (SLOTS, 3, 3), generator=g, dtype=torch.uint8)  # 9 bytes a slot: bytes
@@ -39,10 +41,11 @@ def on_both(op, flat: torch.Tensor, *args, backend: str = "triton") -> torch.Ten
     return want
 
 
-@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes"])
+@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes", "head codes", "head bytes"])
 def test_copy_kernel_matches_reference(kind):
     g = torch.Generator().manual_seed(len(kind))
     flat = per_slot(kind, g)
+    assert flat.is_contiguous() != kind.startswith("head ")  # head-major rows take the per-head path
     source, target, mask = grid(g)
     want = on_both(copy_slots, flat, source, target, mask)
     moved = target[mask]

@@ -31,24 +31,32 @@ def _fill_kernel(flat_ptr, index_ptr, mask_ptr, value_ptr, n, BLOCK: tl.constexp
 
 
 @jit
-def _copy_kernel(flat_ptr, source_ptr, target_ptr, mask_ptr, n, E: tl.constexpr, E_P: tl.constexpr,
+def _copy_kernel(rows_ptr, source_ptr, target_ptr, mask_ptr, n, slots, E: tl.constexpr, E_P: tl.constexpr,
                  BLOCK: tl.constexpr):
+    """Rows ``[heads, slots, E]`` (``program_id(1)``: the head; one head when the rows are whole slots)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     take = (tl.load(mask_ptr + i, mask=i < n, other=0) != 0) & (i < n)
     source = tl.load(source_ptr + i, mask=take, other=0)
     target = tl.load(target_ptr + i, mask=take, other=0)
+    base = rows_ptr + tl.program_id(1).to(tl.int64) * slots * E
     e = tl.arange(0, E_P)
     at = take[:, None] & (e < E)[None, :]
-    words = tl.load(flat_ptr + source[:, None] * E + e[None, :], mask=at)
-    tl.store(flat_ptr + target[:, None] * E + e[None, :], words, mask=at)
+    words = tl.load(base + source[:, None] * E + e[None, :], mask=at)
+    tl.store(base + target[:, None] * E + e[None, :], words, mask=at)
 
 
 def _check(flat: torch.Tensor, mask: torch.Tensor, *indexes: torch.Tensor) -> None:
     if mask.dtype != torch.bool or any(t.dtype != torch.long or t.shape != mask.shape for t in indexes):
         raise ValueError(f"slot indexes must be int64 with the mask's shape {tuple(mask.shape)} and the mask bool; "
                          f"got {[(t.dtype, tuple(t.shape)) for t in indexes]} and {mask.dtype}")
-    if not flat.is_contiguous():
-        raise ValueError("the per-slot tensor must be contiguous (a pool's flat view)")
+    if not flat.is_contiguous() and not head_major_rows(flat):
+        raise ValueError(f"the per-slot tensor must be contiguous or head-major (a pool's flat view); got shape "
+                         f"{tuple(flat.shape)} with strides {flat.stride()}")
+
+
+def head_major_rows(flat: torch.Tensor) -> bool:
+    """Whether ``flat`` ``[S, H, ...]`` is a head-major view: contiguous ``[H, S, ...]`` storage."""
+    return flat.dim() >= 3 and flat.transpose(0, 1).is_contiguous()
 
 
 def fill_slots(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, value, trash: int,
@@ -81,15 +89,18 @@ def copy_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, m
     if not step_kernel_runs(mask, _copy_kernel, backend):
         copy_slots_torch(flat, source, target, mask, trash)
         return
-    per_slot = flat.view(flat.shape[0], -1)
-    size = per_slot.shape[1] * per_slot.element_size()
-    words = per_slot.view(torch.int32) if size % 4 == 0 else per_slot.view(torch.uint8)  # whole words where it can
-    E = words.shape[1]
+    # rows: whole slots, or one head of a slot where each head's rows lie together
+    rows = flat.transpose(0, 1).reshape(flat.shape[1], flat.shape[0], -1) if not flat.is_contiguous() \
+        else flat.view(1, flat.shape[0], -1)
+    size = rows.shape[2] * rows.element_size()
+    words = rows.view(torch.int32) if size % 4 == 0 else rows.view(torch.uint8)  # whole words where it can
+    E = words.shape[2]
     E_P = next_pow2(E)
     block = max(1, ELEMENTS // E_P)
     n = mask.numel()
-    _copy_kernel[(triton_blocks(n, block),)](words, source.contiguous(), target.contiguous(), mask.contiguous(), n,
-                                             E=E, E_P=E_P, BLOCK=block)
+    _copy_kernel[(triton_blocks(n, block), words.shape[0])](words, source.contiguous(), target.contiguous(),
+                                                            mask.contiguous(), n, flat.shape[0], E=E, E_P=E_P,
+                                                            BLOCK=block)
 
 
 def copy_slots_torch(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,

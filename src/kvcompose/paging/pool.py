@@ -46,6 +46,7 @@ class BlockPool:
         float_channels: tuple[str, ...] = (),
         refcounted: bool = False,
         decoded_dtype: torch.dtype | None = None,
+        head_major: bool = False,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -60,12 +61,12 @@ class BlockPool:
         self.head_dim = head_dim
         self.device = device
         self.capacity = 0
+        self.head_major = head_major
         bs = block_size
-        self.slots = {n: torch.empty(0, bs, *s, dtype=d, device=device)
-                      for n, (s, d) in codec.slot_layout(num_kv_heads, head_dim).items()}
+        self.slots = {n: self._slot_tensor(0, s, d) for n, (s, d) in codec.slot_layout(num_kv_heads, head_dim).items()}
         self.decoded = decoded_dtype is not None
         for name in DECODED if self.decoded else ():
-            self.slots[name] = torch.empty(0, bs, num_kv_heads, head_dim, dtype=decoded_dtype, device=device)
+            self.slots[name] = self._slot_tensor(0, (num_kv_heads, head_dim), decoded_dtype)
         self.blocks = {n: torch.empty(0, bs // codec.group_tokens, *s, dtype=d, device=device)
                        for n, (s, d) in codec.block_layout(num_kv_heads, head_dim).items()}
         self.meta: dict[str, torch.Tensor] = {
@@ -107,6 +108,18 @@ class BlockPool:
     @property
     def blocks_in_use(self) -> int:
         return self.capacity - self.num_free
+
+    def _slot_tensor(self, blocks: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """An empty per-slot tensor ``[blocks, block_size, H, ...]`` (``shape``: ``(H, ...)``). Head-major,
+        it is a view of ``[H, blocks * block_size, ...]`` storage: one head's slots of a block are one
+        run of bytes, what a program of the decode attention reads, and the flat slot view
+        (:meth:`flat_slots`) is still a view."""
+        bs = self.block_size
+        if not self.head_major:
+            return torch.empty(blocks, bs, *shape, dtype=dtype, device=self.device)
+        heads, *rest = shape
+        storage = torch.empty(heads, blocks * bs, *rest, dtype=dtype, device=self.device)
+        return storage.view(heads, blocks, bs, *rest).movedim(0, 2)
 
     # ------------------------------------------------------------- flat views
     def flat_slots(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -191,7 +204,8 @@ class BlockPool:
             raise ValueError(f"pool {self.codec.name!r}: its capacity is fixed (static decode); it cannot shrink")
         remap = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
         remap[used] = torch.arange(used.numel(), device=self.device)
-        self.slots = {n: t[used] for n, t in self.slots.items()}
+        self.slots = {n: self._slot_tensor(used.numel(), t.shape[2:], t.dtype).copy_(t[used])
+                      for n, t in self.slots.items()}
         self.blocks = {n: t[used] for n, t in self.blocks.items()}
         self.meta = {n: t[used] for n, t in self.meta.items()}
         if self.refs is not None:
@@ -205,13 +219,14 @@ class BlockPool:
         old = self.capacity
         new = old + max(extra, 1)
 
-        def grown(t: torch.Tensor, fill) -> torch.Tensor:
-            out = torch.empty(new, *t.shape[1:], dtype=t.dtype, device=t.device)
+        def grown(t: torch.Tensor, fill, per_slot: bool = False) -> torch.Tensor:
+            out = self._slot_tensor(new, t.shape[2:], t.dtype) if per_slot else \
+                torch.empty(new, *t.shape[1:], dtype=t.dtype, device=t.device)
             out[:old] = t
             out[old:] = fill
             return out
 
-        self.slots = {n: grown(t, 0) for n, t in self.slots.items()}
+        self.slots = {n: grown(t, 0, per_slot=True) for n, t in self.slots.items()}
         self.blocks = {n: grown(t, 0) for n, t in self.blocks.items()}
         self.meta = {n: grown(t, empty_value(n)) for n, t in self.meta.items()}
         if self.refs is not None:

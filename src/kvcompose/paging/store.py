@@ -70,12 +70,14 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
         codecs: dict[str, SlotCodec] | None = None,
         refcounted: bool = False,
         decoded_copy: bool | None = None,
+        head_major: bool = False,
     ):
         """``decoded_copy``: whether the pools of quantized formats keep a decoded copy of their
         slots (see :mod:`~kvcompose.paging.pool`) for the plain-torch decode attention to read
         instead of decoding every kept token at every step. None: on CPU only, where that
         attention runs and where a run's memory is not its point (the memory report counts
-        the compressed store either way); on CUDA the fused kernel decodes in registers."""
+        the compressed store either way); on CUDA the fused kernel decodes in registers.
+        ``head_major``: the pools keep each head's slots together (``Policy.pool_layout="head"``)."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if residual < 0:
@@ -101,7 +103,7 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             if codec.name not in pools:
                 copy = decoded_copy and not isinstance(codec, DenseCodec)
                 pools[codec.name] = BlockPool(codec, block_size, num_kv_heads, head_dim, device, float_channels,
-                                              refcounted, dtype if copy else None)
+                                              refcounted, dtype if copy else None, head_major)
         self.pools = pools
         self.regions = [Region(name, pools[c.name], batch_size, device) for name, c in codecs.items()]
         self.class_names = list(codecs)

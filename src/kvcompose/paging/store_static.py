@@ -295,7 +295,7 @@ class StoreStatic:
         tensors += [r.reserve.ids for r in self.regions if r.reserve is not None]
         for pool in self.pools.values():
             tensors += [*pool.slots.values(), *pool.blocks.values(), *pool.meta.values()]
-        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        shapes = tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)  # strides: the pools' row layout
         trash = tuple(pool.trash_slot for pool in self.pools.values())
         pending = tuple(sorted(self.scales_pending.items()))
         return shapes, trash, pending, self.columns_seen, self.columns_limit, self.prompt_columns

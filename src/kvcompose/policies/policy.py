@@ -29,6 +29,11 @@ COMPONENT_FIELDS = {"evictor": "evictor", "trigger": "trigger", "pager": "pager"
                     "filter": "filter", "rotation": "rotation"}
 
 
+#: ``Policy.pool_layout`` values: pools keep a slot's heads side by side ("slot"), or each head's
+#: slots side by side ("head"; see :func:`kvcompose.ops.paged_attention.row_layout`).
+POOL_LAYOUTS = ("slot", "head")
+
+
 @dataclass
 class Policy:
     """How a KV cache is compressed. Build one from a preset, a config dict, or components."""
@@ -50,6 +55,7 @@ class Policy:
     refresh: int = 128  # tokens per thought segment: the classifier runs once per segment (ThinKV tau)
     filter: Any = None  # sharing filter: which sealed blocks the share pager maps onto earlier ones (ReasonCache)
     rotation: Any = None  # rotation of the stored keys and values (e.g. "hadamard"); None: as computed
+    pool_layout: str = "slot"  # how a pool orders its (slot, head) rows: "slot" (a slot's heads together) or "head"
 
     def __post_init__(self) -> None:
         for fname, kind in COMPONENT_FIELDS.items():
@@ -101,6 +107,8 @@ class Policy:
                     "scales span several tokens; its blocks cannot be compacted after eviction. Use a slot-local "
                     "format (fp8, nvfp4, ternary, int per_token) with an evictor, or no evictor"
                 )
+        if self.pool_layout not in POOL_LAYOUTS:
+            raise ValueError(f"Policy.pool_layout={self.pool_layout!r}; accepted: {', '.join(map(repr, POOL_LAYOUTS))}")
         positive_int("sinks", self.sinks, 0)
         if isinstance(self.protect_recent, float):
             if not 0.0 < self.protect_recent < 1.0 or self.budget is None:
@@ -225,7 +233,7 @@ class Policy:
             batch_size, num_kv_heads, head_dim, dtype, device,
             block_size=self.block_size, group_size=self.group_size, residual=self.residual,
             float_channels=tuple(getattr(self.evictor, "slot_channels", ())), codecs=codecs,
-            refcounted=getattr(self.pager, "shares_blocks", False),
+            refcounted=getattr(self.pager, "shares_blocks", False), head_major=self.pool_layout == "head",
         )
 
     def make_cache(self, model, fused_attention: bool = True, memory_basis="bfloat16", tokenizer=None):

@@ -9,7 +9,8 @@ attention every step (``h2o``) pass ``mass`` and get it added per slot on the de
 
 Modules:
 
-- :mod:`.formats`: the storage formats and the types :class:`KVOperand`, :class:`PagedSource`;
+- :mod:`.formats`: the storage formats, the types :class:`KVOperand`, :class:`PagedSource`, and the two
+  row layouts a source's per-slot tensors may have (:func:`row_layout`);
 - :mod:`.reference`: the plain-torch reference;
 - :mod:`.decode`: the per-format decode of a tile in Triton (inline PTX for the exact formats);
 - :mod:`.kernels`: the partial, merge and attention-mass kernels;
@@ -22,10 +23,10 @@ Modules:
 
 from .attention import paged_decode_attention
 from .cost import bytes_read
-from .formats import EXACT_FORMATS, FORMATS, KVOperand, PagedSource
+from .formats import EXACT_FORMATS, FORMATS, KVOperand, PagedSource, head_major, row_layout
 from .reference import add_mass_torch, decode_operand_torch, dense_source_view, paged_decode_attention_torch
 
 __all__ = [
     "EXACT_FORMATS", "FORMATS", "KVOperand", "PagedSource", "add_mass_torch", "bytes_read", "decode_operand_torch",
-    "dense_source_view", "paged_decode_attention", "paged_decode_attention_torch",
+    "dense_source_view", "head_major", "paged_decode_attention", "paged_decode_attention_torch", "row_layout",
 ]

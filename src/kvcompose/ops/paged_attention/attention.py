@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import step_kernel_runs
-from .formats import PagedSource
+from .formats import PagedSource, row_layout
 from .kernels import _paged_partial_kernel
 from .launch import kernel_fits, paged_decode_triton
 from .native import native_status
@@ -84,6 +84,10 @@ def check_sources(query: torch.Tensor, sources: list[PagedSource]) -> None:
                     f"source {i} {role}s: head_scale of shape {tuple(op.head_scale.shape)}; expected {(B, H)}")
         if src.table.dim() != 2 or src.table.shape[0] != B:
             raise ValueError(f"source {i}: block table of shape {tuple(src.table.shape)}; expected [{B}, W]")
+        try:
+            row_layout(src)
+        except ValueError as exc:
+            raise ValueError(f"source {i}: {exc}") from None
 
 
 def check_mass(query: torch.Tensor, sources: list[PagedSource], mass) -> None:

@@ -118,8 +118,8 @@ def _kivi_part(byte, scale_ptr, min_ptr, at, m, j: tl.constexpr, BITS: tl.conste
 
 
 @jit
-def _kivi_key_scores(q0, q1, q2, q3, codes_ptr, scale_ptr, min_ptr, table_ptr, row, W, t0, end, slot, head, ok,
-                     H: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, TG: tl.constexpr,
+def _kivi_key_scores(q0, q1, q2, q3, codes_ptr, scale_ptr, min_ptr, table_ptr, row, W, t0, end, slot, row_at, ok,
+                     head, H: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, TG: tl.constexpr,
                      PER: tl.constexpr, BS: tl.constexpr, N: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr,
                      PREC: tl.constexpr):
     """Scores ``[GP, N]`` of KIVI keys without dequantizing them. The tile's ``N`` slots lie
@@ -129,7 +129,7 @@ def _kivi_key_scores(q0, q1, q2, q3, codes_ptr, scale_ptr, min_ptr, table_ptr, r
     dot as exact small integers (no per-element scale, minimum or multiply-add)."""
     DQ: tl.constexpr = D // PER
     i = tl.arange(0, DQ)
-    byte = tl.load(codes_ptr + (slot[:, None] * H + head) * DQ + i[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    byte = tl.load(codes_ptr + row_at[:, None] * DQ + i[None, :], mask=ok[:, None], other=0).to(tl.int32)
     LEVELS: tl.constexpr = (1 << BITS) - 1
     c0 = _operand((byte & LEVELS).to(tl.float32), False, OUT, NATIVE)
     c1 = c0
@@ -180,7 +180,7 @@ def _head_scale(hs_ptr, row, head, FMT: tl.constexpr, H: tl.constexpr):
 
 
 @jit
-def _decode_parts(codes_ptr, scale_ptr, min_ptr, slot, head, ok,
+def _decode_parts(codes_ptr, scale_ptr, min_ptr, slot, row_at, head, ok,
                   FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                   TG: tl.constexpr, PER: tl.constexpr, N: tl.constexpr, EXACT: tl.constexpr, NATIVE: tl.constexpr):
     """Values of ``N`` slots of one head before the head scale (:func:`_head_scale`), split by
@@ -193,7 +193,7 @@ def _decode_parts(codes_ptr, scale_ptr, min_ptr, slot, head, ok,
     FAST: tl.constexpr = EXACT and NATIVE
     i = tl.arange(0, DQ)
     m = ok[:, None]
-    base = slot[:, None] * H + head  # [N, 1] int64 (token, head) row of the pool
+    base = row_at[:, None]  # [N, 1] int64 (token, head) row of the per-slot tensors
     if FMT == 0:  # already in the model dtype (checked): compiled, it goes to the dot as loaded
         x0 = tl.load(codes_ptr + base * D + i[None, :], mask=m, other=0.0)
         if not NATIVE:

@@ -15,6 +15,7 @@ decoding (see :func:`~kvcompose.ops.paged_attention.paged_decode_attention`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -113,3 +114,50 @@ class PagedSource:
         t = torch.arange(self.tokens, device=self.table.device)
         blk = self.table.long()[:, t // bs]
         return torch.where(blk >= 0, blk * bs + t % bs, -1)
+
+
+def per_slot_tensors(op: KVOperand) -> dict[str, torch.Tensor]:
+    """An operand's tensors with one row per slot and head (``[slots, H, ...]``): its codes, and
+    the scales and minimums of the formats that keep them per slot (not KIVI's per-group ones)."""
+    out = {"codes": op.codes}
+    if op.fmt in ("nvfp4", "ternary", "int"):
+        out["scale"] = op.scale
+    if op.fmt == "int":
+        out["minimum"] = op.minimum
+    return out
+
+
+def row_layout(src: PagedSource) -> int:
+    """How a source's (slot, head) rows lie in its per-slot tensors: 0 when **slot-major** (row
+    ``slot * H + head``, a slot's heads side by side) or ``S`` when **head-major** (row
+    ``head * S + slot`` for ``S`` slots: each head's rows together, so that one head's slots of a
+    block are one contiguous run, what a program of the decode attention reads). Every per-slot
+    tensor of both operands must lie the same way with contiguous rows; anything else is an error
+    that names the tensor (the kernels address rows by these two rules only)."""
+    kinds = set()
+    for role, op in (("key", src.key), ("value", src.value)):
+        for name, t in per_slot_tensors(op).items():
+            S, H, X = t.shape
+            st = t.stride()
+            slot_major = (st[1] == X or H == 1) and (st[0] == H * X or S <= 1) and (st[2] == 1 or X == 1)
+            head_major = (st[0] == X or S <= 1) and (st[1] == S * X or H == 1) and (st[2] == 1 or X == 1)
+            if not (slot_major or head_major):
+                raise ValueError(f"{role} {name} of shape {tuple(t.shape)} has strides {st}; accepted: slot-major "
+                                 f"rows ({H * X}, {X}, 1) or head-major rows ({X}, {S * X}, 1)")
+            if not (slot_major and head_major):
+                kinds.add(("slot", 0) if slot_major else ("head", S))
+    if len(kinds) > 1:
+        raise ValueError(f"a source's per-slot tensors must lie one way; got {sorted(k for k, _ in kinds)}")
+    return kinds.pop()[1] if kinds else 0
+
+
+def head_major(src: PagedSource) -> PagedSource:
+    """``src`` with its per-slot tensors copied into head-major storage (``[H, slots, ...]``, read
+    through ``[slots, H, ...]`` views; see :func:`row_layout`): the same values, each head's rows
+    together."""
+    def moved(op: KVOperand) -> KVOperand:
+        tensors = {name: t.transpose(0, 1).contiguous().transpose(0, 1) for name, t in per_slot_tensors(op).items()}
+        return dataclasses.replace(op, **tensors)
+
+    return dataclasses.replace(src, key=moved(src.key), value=moved(src.value))
+

@@ -49,8 +49,8 @@ def _max_abs(x0, x1, x2, x3):
 
 #: Fields of one source's runtime tuple in a :func:`_paged_partial_kernel` launch.
 SOURCE_FIELDS = ("table", "valid", "key codes", "key scale", "key minimum", "key head scale", "value codes",
-                 "value scale", "value minimum", "value head scale", "table width", "tokens per split",
-                 "first program", "programs", "first partial result", "first column", "extent")
+                 "value scale", "value minimum", "value head scale", "table width", "head rows",
+                 "tokens per split", "first program", "programs", "first partial result", "first column", "extent")
 
 
 @jit
@@ -71,32 +71,44 @@ def _paged_partial_kernel(q_ptr, out_ptr, lse_ptr, score_ptr, total_splits, tota
     split = tl.program_id(1)
     for i in tl.static_range(NSRC):
         src = sources[i]
-        if (split >= src[12]) & (split < src[12] + src[13]):
-            local = split - src[12]
+        if (split >= src[13]) & (split < src[13] + src[14]):
+            local = split - src[13]
             _source_partial(q_ptr, out_ptr, lse_ptr, score_ptr, src[0], src[1], src[2], src[3], src[4], src[5],
-                            src[6], src[7], src[8], src[9], src[10], src[11], local, src[13], src[14] + local,
-                            total_splits, src[15], total_cols, qk_scale, src[16],
+                            src[6], src[7], src[8], src[9], src[10], src[11], src[12], local, src[14],
+                            src[15] + local, total_splits, src[16], total_cols, qk_scale, src[17],
                             CONSTS[i][0], CONSTS[i][1], CONSTS[i][2], CONSTS[i][3], CONSTS[i][4], CONSTS[i][5],
                             CONSTS[i][6], CONSTS[i][7], CONSTS[i][8], CONSTS[i][9], CONSTS[i][10], CONSTS[i][11],
                             H, G, GP, D, CONSTS[i][12], CONSTS[i][13], CONSTS[i][14], CONSTS[i][15],
-                            SCORES, PREC, OUT, NATIVE)
+                            CONSTS[i][16], SCORES, PREC, OUT, NATIVE)
 
 
 #: Order of a source's compile-time constants in ``CONSTS`` (see :func:`_partial_launch`).
 SOURCE_CONSTS = ("KFMT", "VFMT", "KBITS", "VBITS", "KGROUP", "VGROUP", "KTG", "KPER", "VPER", "KEX", "VEX", "KFOLD",
-                 "BS", "BLOCK", "STAGES", "EXTENT")
+                 "BS", "BLOCK", "STAGES", "EXTENT", "HM")
+
+
+@jit
+def _pool_rows(slot, head, head_rows, H: tl.constexpr, HM: tl.constexpr):
+    """``[N]`` rows of ``N`` slots of one head in a source's per-slot tensors: ``slot * H + head``
+    (slot-major), or ``head * head_rows + slot`` (head-major, ``head_rows`` slots per head; see
+    :func:`~kvcompose.ops.paged_attention.formats.row_layout`)."""
+    if HM:
+        return slot + head.to(tl.int64) * head_rows
+    return slot * H + head
 
 
 @jit
 def _source_partial(
     q_ptr, out_ptr, lse_ptr, score_ptr, table_ptr, valid_ptr,
     kc_ptr, ks_ptr, km_ptr, khs_ptr, vc_ptr, vs_ptr, vm_ptr, vhs_ptr,
-    W, tokens_per_split, local_split, n_splits, out_split, total_splits, col0, total_cols, qk_scale, extent_ptr,
+    W, head_rows, tokens_per_split, local_split, n_splits, out_split, total_splits, col0, total_cols, qk_scale,
+    extent_ptr,
     KFMT: tl.constexpr, VFMT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KGROUP: tl.constexpr, VGROUP: tl.constexpr, KTG: tl.constexpr, KPER: tl.constexpr, VPER: tl.constexpr,
     KEX: tl.constexpr, VEX: tl.constexpr, KFOLD: tl.constexpr,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, EXTENT: tl.constexpr, SCORES: tl.constexpr,
+    BS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, EXTENT: tl.constexpr, HM: tl.constexpr,
+    SCORES: tl.constexpr,
     PREC: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """Partial attention of one (row, KV head, split) of one source: output ``[G, D]`` and
@@ -159,11 +171,12 @@ def _source_partial(
         slot = blk * BS + t % BS
         ok = inside & (blk >= 0)
         ok = ok & (tl.load(valid_ptr + slot, mask=ok, other=0) != 0)
+        row_at = _pool_rows(slot, head, head_rows, H, HM)
         if KFOLD:
-            s = _kivi_key_scores(q0, q1, q2, q3, kc_ptr, ks_ptr, km_ptr, table_ptr, row, W, t0, end, slot, head, ok,
-                                 H, GP, D, KBITS, KTG, KPER, BS, BLOCK, OUT, NATIVE, PREC)
+            s = _kivi_key_scores(q0, q1, q2, q3, kc_ptr, ks_ptr, km_ptr, table_ptr, row, W, t0, end, slot, row_at, ok,
+                                 head, H, GP, D, KBITS, KTG, KPER, BS, BLOCK, OUT, NATIVE, PREC)
         else:
-            k0, k1, k2, k3 = _decode_parts(kc_ptr, ks_ptr, km_ptr, slot, head, ok,
+            k0, k1, k2, k3 = _decode_parts(kc_ptr, ks_ptr, km_ptr, slot, row_at, head, ok,
                                            KFMT, H, D, KBITS, KGROUP, KTG, KPER, BLOCK, KEX, NATIVE)
             s = tl.dot(q0, tl.trans(_operand(k0, KEX, OUT, NATIVE)), input_precision=PREC)
             if KPER > 1:
@@ -184,7 +197,7 @@ def _source_partial(
             pm = _fp16(p, NATIVE)
         else:
             pm = _operand(p, False, OUT, NATIVE)
-        v0, v1, v2, v3 = _decode_parts(vc_ptr, vs_ptr, vm_ptr, slot, head, ok,
+        v0, v1, v2, v3 = _decode_parts(vc_ptr, vs_ptr, vm_ptr, slot, row_at, head, ok,
                                        VFMT, H, D, VBITS, VGROUP, 1, VPER, BLOCK, VEX, NATIVE)
         acc0 = acc0 * alpha[:, None] + tl.dot(pm, _operand(v0, VEX, OUT, NATIVE), input_precision=PREC)
         if VPER > 1:
@@ -261,11 +274,11 @@ def _rider_merge_kernel(q_ptr, part_ptr, lse_ptr, out_ptr, final_lse_ptr, S, qk_
     for i in tl.static_range(NSRC):
         src = sources[i]
         _source_partial(q_ptr, part_ptr, lse_ptr, part_ptr, src[0], src[1], src[2], src[3], src[4], src[5],
-                        src[6], src[7], src[8], src[9], src[10], src[11], 0, 1, src[14], S, src[15], 0, qk_scale,
-                        src[16], CONSTS[i][0], CONSTS[i][1], CONSTS[i][2], CONSTS[i][3], CONSTS[i][4], CONSTS[i][5],
-                        CONSTS[i][6], CONSTS[i][7], CONSTS[i][8], CONSTS[i][9], CONSTS[i][10], CONSTS[i][11],
-                        H, G, GP, D, CONSTS[i][12], CONSTS[i][13], CONSTS[i][14], CONSTS[i][15],
-                        False, PREC, OUT, NATIVE)
+                        src[6], src[7], src[8], src[9], src[10], src[11], src[12], 0, 1, src[15], S, src[16], 0,
+                        qk_scale, src[17], CONSTS[i][0], CONSTS[i][1], CONSTS[i][2], CONSTS[i][3], CONSTS[i][4],
+                        CONSTS[i][5], CONSTS[i][6], CONSTS[i][7], CONSTS[i][8], CONSTS[i][9], CONSTS[i][10],
+                        CONSTS[i][11], H, G, GP, D, CONSTS[i][12], CONSTS[i][13], CONSTS[i][14], CONSTS[i][15],
+                        CONSTS[i][16], False, PREC, OUT, NATIVE)
     tl.debug_barrier()  # the partials this program wrote, visible to all its threads
     pid = tl.program_id(0)
     qrow = ((pid // H) * (H * G) + (pid % H) * G + tl.program_id(1)).to(tl.int64)

@@ -19,7 +19,7 @@ import torch
 from ...device_constants import device_constant
 from ..layout import OUT_KINDS, out_buffer
 from ..triton_shim import cdiv, interpreted, next_pow2
-from .formats import EXACT_FORMATS, FORMATS, KVOperand, PagedSource
+from .formats import EXACT_FORMATS, FORMATS, KVOperand, PagedSource, row_layout
 from . import native as native_kernel
 from .kernels import SOURCE_CONSTS, _mass_kernel, _merge_kernel, _paged_partial_kernel, _rider_merge_kernel
 
@@ -322,13 +322,14 @@ def _partial_launch(q: torch.Tensor, sources: list[PagedSource], scores: bool) -
         table = src.table.contiguous()
         kb, kg, ktg = _operand_constants(src.key, D)
         vb, vg, _ = _operand_constants(src.value, D)
+        head_rows = row_layout(src)
         args.append((table, src.valid.view(torch.uint8), *_operand_args(src.key, device),
-                     *_operand_args(src.value, device), table.shape[1]))
+                     *_operand_args(src.value, device), table.shape[1], head_rows))
         block, stages = (SMALL_TILE, SMALL_STAGES) if small_source(src) else (TILE_SHAPE[0], STAGES)
         c = dict(KFMT=FORMATS[src.key.fmt], VFMT=FORMATS[src.value.fmt], KBITS=kb, VBITS=vb, KGROUP=kg, VGROUP=vg,
                  KTG=ktg, KPER=src.key.per_byte, VPER=src.value.per_byte, KEX=_exact(src.key, q.dtype),
                  VEX=_exact(src.value, q.dtype), KFOLD=_folds(src, block, q.dtype), BS=src.block_size,
-                 BLOCK=block, STAGES=stages, EXTENT=src.extent is not None and not scores)
+                 BLOCK=block, STAGES=stages, EXTENT=src.extent is not None and not scores, HM=head_rows > 0)
         consts.append(tuple(c[name] for name in SOURCE_CONSTS))
     G = q.shape[1] // H
     longest = max(sources, key=lambda s: s.tokens)

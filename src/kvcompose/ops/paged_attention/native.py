@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ...device_constants import device_constant
-from .formats import PagedSource
+from .formats import PagedSource, row_layout
 
 log = logging.getLogger("kvcompose")
 
@@ -57,12 +57,20 @@ def fits(query: torch.Tensor, src: PagedSource) -> bool:
     fmt = src.key.fmt
     return (fmt in FORMATS and src.value.fmt == fmt and query.shape[-1] in FORMAT_HEAD_DIMS[fmt]
             and query.dtype in (torch.bfloat16, torch.float16) and query.shape[1] // H <= MAX_GROUP
-            and src.table.dtype == torch.int64 and src.key.codes.is_contiguous() and src.value.codes.is_contiguous()
+            and src.table.dtype == torch.int64 and _addressable(src)
             and src.block_size >= 4 and src.block_size & (src.block_size - 1) == 0  # the kernel shifts by it
             and src.valid.data_ptr() % 4 == 0  # validity is copied four slots at once
-            and src.key.scale.is_contiguous() and src.value.scale.is_contiguous()
             and max(src.key.codes.numel(), src.value.codes.numel()) < 2 ** 32  # the kernel's 32-bit offsets
             and all(t.data_ptr() % 16 == 0 for t in (src.key.codes, src.key.scale, src.value.codes, src.value.scale)))
+
+
+def _addressable(src: PagedSource) -> bool:
+    """Codes and scales slot-major or head-major (:func:`~kvcompose.ops.paged_attention.formats.row_layout`)."""
+    try:
+        row_layout(src)
+    except ValueError:
+        return False
+    return True
 
 
 def module(device: torch.device):
@@ -122,7 +130,7 @@ void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<a
                     at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
                     std::vector<at::Tensor> extents, int64_t block_size, std::vector<int64_t> per_split,
                     std::vector<int64_t> n_splits, std::vector<int64_t> first, int64_t total, double qk_scale,
-                    int64_t fmt);
+                    int64_t fmt, int64_t head_rows);
 int64_t packed_resident(int64_t D, bool bf16, int64_t fmt);
 """
 #: Regions one launch reads at most (``MAX_REGIONS`` of the ``.cu`` file).
@@ -159,4 +167,4 @@ def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int,
                         value.head_scale.float().contiguous(), [s.extent if s.extent is not None else no_extent
                                                                 for s in sources],
                         src.block_size, list(per_split), list(n_splits), list(firsts), total, qk_scale,
-                        FORMATS[key.fmt])
+                        FORMATS[key.fmt], row_layout(src))

@@ -233,7 +233,8 @@ struct Pools {
 // there is the reads themselves (benchmarks/tools/probe_native_gpu.py): this ring of copies with no
 // products, softmax or decode ran no faster than the whole kernel, and neither fewer instructions nor
 // more programs per SM helped. A head's 64-byte rows lie 512 bytes apart in the slot-major pools;
-// read as if a block kept each head's rows together, the copies ran markedly faster.
+// read as if a block kept each head's rows together, the copies ran markedly faster. Pools with
+// Policy.pool_layout="head" keep them so (head_rows below).
 //
 // Code rows are stored in 16-byte chunks, swizzled: chunk i = t CHUNKS + c (token t, chunk c of its
 // row) sits at i ^ (2 (i >> 3) & 6), which spreads every NVFP4 fragment read below over all banks.
@@ -478,7 +479,7 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
     const T* __restrict__ q, float* __restrict__ part, float* __restrict__ lse, const uint8_t* __restrict__ valid,
     const uint8_t* __restrict__ kc, const uint8_t* __restrict__ ks, const float* __restrict__ khs,
     const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs, const float* __restrict__ vhs, const Regions R,
-    int H, int G, int bs_shift, int total, float qk_scale) {
+    int H, int G, int bs_shift, int total, float qk_scale, int head_rows) {
   using S = Shape<F, D>;
   const int row = blockIdx.x / H, head = blockIdx.x % H;
   // The region of this program and its split within it (constant indices: the fields stay parameters).
@@ -536,8 +537,11 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
 #pragma unroll
   for (int r = 0; r < S::VTILES; ++r) st.acc[r][0] = st.acc[r][1] = st.acc[r][2] = st.acc[r][3] = 0.f;
 
-  Pools p{valid, kc, ks, vc, vs, (uint32_t)(H * S::ROW), (uint32_t)(H * S::BLOCKS), (uint32_t)(head * S::ROW),
-          (uint32_t)(head * S::BLOCKS)};
+  // the (slot, head) row of the pools: slot H + head (slot-major), or head head_rows + slot (head-major,
+  // each head's rows together: a block's slots of this head are one run of bytes)
+  const uint32_t slot_rows = head_rows > 0 ? 1u : (uint32_t)H;
+  const uint32_t head_at = head_rows > 0 ? (uint32_t)head * (uint32_t)head_rows : (uint32_t)head;
+  Pools p{valid, kc, ks, vc, vs, slot_rows * S::ROW, slot_rows * S::BLOCKS, head_at * S::ROW, head_at * S::BLOCKS};
   // The ring: tile i is copied into stage i % STAGES, STAGES - 1 tiles ahead of its use; the
   // block-table entries of the tile after the one being copied are loaded one step earlier still.
   __shared__ __align__(128) uint8_t ring[STAGES][Stage<F, D>::BYTES];
@@ -594,7 +598,7 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::v
             const at::Tensor& valid, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& khs,
             const at::Tensor& vc, const at::Tensor& vs, const at::Tensor& vhs, const std::vector<at::Tensor>& extents,
             int64_t block_size, const std::vector<int64_t>& per_split, const std::vector<int64_t>& n_splits,
-            const std::vector<int64_t>& first, int64_t total, double qk_scale) {
+            const std::vector<int64_t>& first, int64_t total, double qk_scale, int64_t head_rows) {
   const int count = tables.size();
   TORCH_CHECK(count >= 1 && count <= MAX_REGIONS, "packed partial kernel: ", count, " regions; accepted: 1 to ",
               MAX_REGIONS);
@@ -633,7 +637,7 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::v
       reinterpret_cast<const T*>(q.data_ptr()), part.data_ptr<float>(), lse.data_ptr<float>(),
       valid.data_ptr<uint8_t>(), kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(), khs.data_ptr<float>(),
       vc.data_ptr<uint8_t>(), vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(), R, H, Hq / H, bs_shift,
-      (int)total, (float)qk_scale);
+      (int)total, (float)qk_scale, (int)head_rows);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -652,7 +656,7 @@ void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<a
                     at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
                     std::vector<at::Tensor> extents, int64_t block_size, std::vector<int64_t> per_split,
                     std::vector<int64_t> n_splits, std::vector<int64_t> first, int64_t total, double qk_scale,
-                    int64_t fmt) {
+                    int64_t fmt, int64_t head_rows) {
   const int64_t D = q.size(-1);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK((fmt == NVFP4 && (D == 64 || D == 128)) || (fmt == TERNARY && D == 128), "packed partial kernel: ",
@@ -660,7 +664,7 @@ void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<a
               "and 128, ternary at 128");
 #define KVC_LAUNCH(FMT, DIM, TYPE) \
   launch<FMT, DIM, TYPE>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, extents, block_size, per_split, \
-                         n_splits, first, total, qk_scale)
+                         n_splits, first, total, qk_scale, head_rows)
   if (fmt == TERNARY) { if (bf16) KVC_LAUNCH(TERNARY, 128, __nv_bfloat16); else KVC_LAUNCH(TERNARY, 128, __half); }
   else if (D == 128) { if (bf16) KVC_LAUNCH(NVFP4, 128, __nv_bfloat16); else KVC_LAUNCH(NVFP4, 128, __half); }
   else { if (bf16) KVC_LAUNCH(NVFP4, 64, __nv_bfloat16); else KVC_LAUNCH(NVFP4, 64, __half); }
