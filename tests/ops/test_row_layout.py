@@ -29,12 +29,17 @@ def test_a_layout_the_kernels_cannot_address_is_named():
     with pytest.raises(ValueError, match=r"source 0: key codes of shape \(96, 2, 32\) has strides \(96, 48, 1\); accepted"):
         paged_decode_attention(query, [bad], 0.1, backend="torch")
     mixed = dataclasses.replace(src, key=head_major(src).key)
-    with pytest.raises(ValueError, match="must lie one way"):
+    with pytest.raises(ValueError, match="must lie one way .*; got key codes: head-major over 96 slots, key "
+                                         "scale: head-major over 96 slots, value codes: slot-major"):
         row_layout(mixed)
+    flat = dataclasses.replace(src, value=dataclasses.replace(src.value, scale=src.value.scale.flatten(1)))
+    with pytest.raises(ValueError, match=r"value scale of shape \(96, 8\); accepted: \[slots, H, ...\]"):
+        row_layout(flat)
 
 
-def test_the_reference_reads_head_major_sources_bit_for_bit():
-    src = make_source("ternary", [70, 0, 33], 2, 128, holes=True)
+@pytest.mark.parametrize("fmt", ["ternary", "dense"])  # dense: gathered by rows of the head-major storage
+def test_the_reference_reads_head_major_sources_bit_for_bit(fmt):
+    src = make_source(fmt, [70, 0, 33], 2, 128, holes=True)
     query = torch.randn(3, 8, 1, 128).to(torch.bfloat16)
     torch.testing.assert_close(paged_decode_attention_torch(query, [head_major(src)], 0.1),
                                paged_decode_attention_torch(query, [src], 0.1), atol=0, rtol=0)

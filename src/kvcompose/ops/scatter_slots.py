@@ -51,7 +51,8 @@ def _check(flat: torch.Tensor, mask: torch.Tensor, *indexes: torch.Tensor) -> No
                          f"got {[(t.dtype, tuple(t.shape)) for t in indexes]} and {mask.dtype}")
     if not flat.is_contiguous() and not head_major_rows(flat):
         raise ValueError(f"the per-slot tensor must be contiguous or head-major (a pool's flat view); got shape "
-                         f"{tuple(flat.shape)} with strides {flat.stride()}")
+                         f"{tuple(flat.shape)} with strides {flat.stride()}, accepted: {flat.contiguous().stride()} or "
+                         f"{flat.transpose(0, 1).contiguous().transpose(0, 1).stride()}")
 
 
 def head_major_rows(flat: torch.Tensor) -> bool:

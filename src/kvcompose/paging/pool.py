@@ -204,8 +204,8 @@ class BlockPool:
             raise ValueError(f"pool {self.codec.name!r}: its capacity is fixed (static decode); it cannot shrink")
         remap = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
         remap[used] = torch.arange(used.numel(), device=self.device)
-        self.slots = {n: self._slot_tensor(used.numel(), t.shape[2:], t.dtype).copy_(t[used])
-                      for n, t in self.slots.items()}
+        self.slots = {n: self._slot_tensor(used.numel(), t.shape[2:], t.dtype).copy_(t[used]) if self.head_major
+                      else t[used] for n, t in self.slots.items()}
         self.blocks = {n: t[used] for n, t in self.blocks.items()}
         self.meta = {n: t[used] for n, t in self.meta.items()}
         if self.refs is not None:

@@ -134,9 +134,11 @@ def row_layout(src: PagedSource) -> int:
     block are one contiguous run, what a program of the decode attention reads). Every per-slot
     tensor of both operands must lie the same way with contiguous rows; anything else is an error
     that names the tensor (the kernels address rows by these two rules only)."""
-    kinds = set()
+    kinds = {}
     for role, op in (("key", src.key), ("value", src.value)):
         for name, t in per_slot_tensors(op).items():
+            if t.dim() != 3:
+                raise ValueError(f"{role} {name} of shape {tuple(t.shape)}; accepted: [slots, H, ...] (3 dims)")
             S, H, X = t.shape
             st = t.stride()
             slot_major = (st[1] == X or H == 1) and (st[0] == H * X or S <= 1) and (st[2] == 1 or X == 1)
@@ -145,10 +147,12 @@ def row_layout(src: PagedSource) -> int:
                 raise ValueError(f"{role} {name} of shape {tuple(t.shape)} has strides {st}; accepted: slot-major "
                                  f"rows ({H * X}, {X}, 1) or head-major rows ({X}, {S * X}, 1)")
             if not (slot_major and head_major):
-                kinds.add(("slot", 0) if slot_major else ("head", S))
-    if len(kinds) > 1:
-        raise ValueError(f"a source's per-slot tensors must lie one way; got {sorted(k for k, _ in kinds)}")
-    return kinds.pop()[1] if kinds else 0
+                kinds[f"{role} {name}"] = ("slot", 0) if slot_major else ("head", S)
+    if len(set(kinds.values())) > 1:
+        found = ", ".join(f"{t}: {k}-major" + (f" over {s} slots" if s else "") for t, (k, s) in kinds.items())
+        raise ValueError(f"a source's per-slot tensors must lie one way (all slot-major, or all head-major over the "
+                         f"same slots); got {found}")
+    return next(iter(kinds.values()))[1] if kinds else 0
 
 
 def head_major(src: PagedSource) -> PagedSource:
@@ -160,4 +164,3 @@ def head_major(src: PagedSource) -> PagedSource:
         return dataclasses.replace(op, **tensors)
 
     return dataclasses.replace(src, key=moved(src.key), value=moved(src.value))
-

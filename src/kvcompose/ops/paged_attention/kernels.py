@@ -62,8 +62,8 @@ def _paged_partial_kernel(q_ptr, out_ptr, lse_ptr, score_ptr, total_splits, tota
     sources in one launch.
 
     Source ``i`` (runtime fields ``SOURCE_FIELDS``, compile-time constants ``CONSTS[i]``)
-    runs its splits on ``sources[i][13]`` programs from ``program_id(1) == sources[i][12]``
-    on and writes them as partial results from ``sources[i][14]`` on. A short source (the
+    runs its splits on ``sources[i][14]`` programs from ``program_id(1) == sources[i][13]``
+    on and writes them as partial results from ``sources[i][15]`` on. A short source (the
     recent buffer) rides on a program of a long one: both branches run there one after
     the other, so it adds no program and no wave to the launch. Each branch is one source's
     loop specialized to its format; the compiled kernel takes the registers and shared

@@ -221,8 +221,8 @@ struct Pools {
   const uint8_t* __restrict__ ks;
   const uint8_t* __restrict__ vc;
   const uint8_t* __restrict__ vs;
-  uint32_t code_stride, scale_stride;  // bytes per slot: H x row bytes, H x (D / 16)
-  uint32_t code_at, scale_at;          // the head's offsets within a slot
+  uint32_t code_stride, scale_stride;  // bytes from a slot to the next: H x row bytes, H x (D / 16) (head-major: one row)
+  uint32_t code_at, scale_at;          // the head's offsets (head-major: its first row)
 };
 
 // One stage of a program's shared-memory ring: a tile as it lies in the pools, copied by cp.async

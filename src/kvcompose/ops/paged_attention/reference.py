@@ -61,8 +61,12 @@ def _operand_view(op: KVOperand, flat: torch.Tensor, rows: torch.Tensor, dtype: 
     B, L = flat.shape
     H, D = op.codes.shape[1], op.head_dim()
     if op.fmt == "dense":
-        index = (flat[:, None, :] * H + torch.arange(H, device=flat.device)[:, None]).reshape(-1)
-        return op.codes.reshape(-1, D).index_select(0, index).view(B, H, L, D).to(dtype)
+        heads = torch.arange(H, device=flat.device)[:, None]
+        if op.codes.is_contiguous():
+            rows_of, index = op.codes.reshape(-1, D), flat[:, None, :] * H + heads
+        else:  # head-major (formats.row_layout): a view of [H, slots, D], no copy
+            rows_of, index = op.codes.transpose(0, 1).reshape(-1, D), heads * op.codes.shape[0] + flat[:, None, :]
+        return rows_of.index_select(0, index.reshape(-1)).view(B, H, L, D).to(dtype)
     return decode_operand_torch(op, flat.reshape(-1), rows, dtype).view(B, L, H, D).transpose(1, 2).contiguous()
 
 
