@@ -8,6 +8,7 @@ import torch
 
 from kvcompose.ops.paged_attention import head_major, native, paged_decode_attention, paged_decode_attention_torch
 from kvcompose.ops.paged_attention import PagedSource
+from kvcompose.ops.paged_attention.formats import to_head_major
 from kvcompose.ops.paged_attention.launch import _native_plans, native_groups
 
 from test_paged_attention import check_extent, make_source
@@ -31,7 +32,7 @@ def test_native_kernel_takes_only_the_pools_it_was_written_for():
     assert not native.fits(query, make_source("nvfp4", [20, 3], 2, 128, bs=12))  # the kernel shifts by the block size
     assert native.fits(query, head_major(make_source("nvfp4", [20, 3], 2, 128)))
     odd = make_source("nvfp4", [20, 3], 2, 128)
-    odd.key.codes = odd.key.codes.transpose(0, 1).contiguous().transpose(0, 1)  # keys head-major, values not
+    odd.key.codes = to_head_major(odd.key.codes)  # keys head-major, values not
     assert not native.fits(query, odd)
 
 

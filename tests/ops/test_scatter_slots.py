@@ -4,6 +4,7 @@ reference writes exactly the masked entries (the trash slot takes the rest)."""
 import pytest
 import torch
 
+from kvcompose.ops.paged_attention.formats import to_head_major
 from kvcompose.ops.scatter_slots import copy_slots, fill_slots
 
 SLOTS, TRASH = 64, 63
@@ -18,7 +19,7 @@ def per_slot(kind: str, g: torch.Generator) -> torch.Tensor:
     if kind == "mass":
         return torch.rand(SLOTS, generator=g)
     if kind.startswith("head "):  # each head's rows together (a head-major pool)
-        return per_slot(kind[5:], g).transpose(0, 1).contiguous().transpose(0, 1)
+        return to_head_major(per_slot(kind[5:], g))
     if kind == "codes":  # 2 heads x 24 bytes: whole words
         return torch.randint(0, 256, (SLOTS, 2, 24), generator=g, dtype=torch.uint8)
     return torch.randint(0, 256, (SLOTS, 3, 3), generator=g, dtype=torch.uint8)  # 9 bytes a slot: bytes

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import step_kernel_runs
+from .paged_attention.formats import head_major_rows, to_head_major
 from .triton_shim import jit, next_pow2, tl
 
 ELEMENTS = 4096  # elements a program writes (slots x words per slot)
@@ -52,12 +53,7 @@ def _check(flat: torch.Tensor, mask: torch.Tensor, *indexes: torch.Tensor) -> No
     if not flat.is_contiguous() and not head_major_rows(flat):
         raise ValueError(f"the per-slot tensor must be contiguous or head-major (a pool's flat view); got shape "
                          f"{tuple(flat.shape)} with strides {flat.stride()}, accepted: {flat.contiguous().stride()} or "
-                         f"{flat.transpose(0, 1).contiguous().transpose(0, 1).stride()}")
-
-
-def head_major_rows(flat: torch.Tensor) -> bool:
-    """Whether ``flat`` ``[S, H, ...]`` is a head-major view: contiguous ``[H, S, ...]`` storage."""
-    return flat.dim() >= 3 and flat.transpose(0, 1).is_contiguous()
+                         f"{to_head_major(flat).stride() if flat.dim() >= 3 else 'none (one value per slot)'}")
 
 
 def fill_slots(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, value, trash: int,
@@ -91,7 +87,7 @@ def copy_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, m
         copy_slots_torch(flat, source, target, mask, trash)
         return
     # rows: whole slots, or one head of a slot where each head's rows lie together
-    rows = flat.transpose(0, 1).reshape(flat.shape[1], flat.shape[0], -1) if not flat.is_contiguous() \
+    rows = flat.transpose(0, 1).reshape(flat.shape[1], flat.shape[0], -1) if head_major_rows(flat) \
         else flat.view(1, flat.shape[0], -1)
     size = rows.shape[2] * rows.element_size()
     words = rows.view(torch.int32) if size % 4 == 0 else rows.view(torch.uint8)  # whole words where it can

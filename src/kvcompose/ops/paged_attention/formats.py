@@ -116,6 +116,16 @@ class PagedSource:
         return torch.where(blk >= 0, blk * bs + t % bs, -1)
 
 
+def head_major_rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` ``[S, H, ...]`` is a view of contiguous ``[H, S, ...]`` storage (and not also contiguous)."""
+    return t.dim() >= 3 and not t.is_contiguous() and t.transpose(0, 1).is_contiguous()
+
+
+def to_head_major(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` ``[S, H, ...]`` in head-major storage, seen through the same ``[S, H, ...]`` shape."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
 def per_slot_tensors(op: KVOperand) -> dict[str, torch.Tensor]:
     """An operand's tensors with one row per slot and head (``[slots, H, ...]``): its codes, and
     the scales and minimums of the formats that keep them per slot (not KIVI's per-group ones)."""
@@ -160,7 +170,7 @@ def head_major(src: PagedSource) -> PagedSource:
     through ``[slots, H, ...]`` views; see :func:`row_layout`): the same values, each head's rows
     together."""
     def moved(op: KVOperand) -> KVOperand:
-        tensors = {name: t.transpose(0, 1).contiguous().transpose(0, 1) for name, t in per_slot_tensors(op).items()}
+        tensors = {name: to_head_major(t) for name, t in per_slot_tensors(op).items()}
         return dataclasses.replace(op, **tensors)
 
     return dataclasses.replace(src, key=moved(src.key), value=moved(src.value))

@@ -15,7 +15,7 @@ from ..quant_int import int_token_dequantize_torch
 from ..quant_nvfp4 import nvfp4_dequantize_torch
 from ..quant_ternary import ternary_dequantize_torch
 from .cpu_bound import written_part
-from .formats import KVOperand, PagedSource
+from .formats import KVOperand, PagedSource, head_major_rows
 
 
 def decode_operand_torch(op: KVOperand, slots: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -62,10 +62,10 @@ def _operand_view(op: KVOperand, flat: torch.Tensor, rows: torch.Tensor, dtype: 
     H, D = op.codes.shape[1], op.head_dim()
     if op.fmt == "dense":
         heads = torch.arange(H, device=flat.device)[:, None]
-        if op.codes.is_contiguous():
-            rows_of, index = op.codes.reshape(-1, D), flat[:, None, :] * H + heads
-        else:  # head-major (formats.row_layout): a view of [H, slots, D], no copy
+        if head_major_rows(op.codes):  # a view of [H, slots, D], no copy
             rows_of, index = op.codes.transpose(0, 1).reshape(-1, D), heads * op.codes.shape[0] + flat[:, None, :]
+        else:
+            rows_of, index = op.codes.reshape(-1, D), flat[:, None, :] * H + heads
         return rows_of.index_select(0, index.reshape(-1)).view(B, H, L, D).to(dtype)
     return decode_operand_torch(op, flat.reshape(-1), rows, dtype).view(B, L, H, D).transpose(1, 2).contiguous()
 
