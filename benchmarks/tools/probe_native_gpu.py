@@ -12,6 +12,7 @@ against the torch reference; the stand-ins' outputs are not checked.
     python benchmarks/tools/probe_native_gpu.py --variants base no_attend copy_only codes_only  # memory side
     python benchmarks/tools/probe_native_gpu.py --variants copy_only head_major_copy base head_major \
         --out benchmarks/results/probe_native_gpu.json
+    python benchmarks/tools/probe_native_gpu.py --layout head --variants base copy_only codes_only
 """
 
 from __future__ import annotations
@@ -129,8 +130,11 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--shapes", nargs="*", default=["16x8192x128", "64x4096x128", "256x1024x128"])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--layout", choices=["slot", "head"], default="slot",
+                   help="pool rows slot-major or head-major (the head_major* stand-ins assume slot)")
     p.add_argument("--out", default=None, help="history file the run is added to (default: stdout only)")
     args = p.parse_args(argv)
+    bench.LAYOUT = args.layout
     copy = copy_tbps("cuda")
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
@@ -156,6 +160,7 @@ def main(argv=None) -> int:
         print(f"{name:10s} " + "  ".join(cells) + error, flush=True)
     if args.out:
         run = {"benchmark": "CUDA NVFP4 kernel variants", "copy_tb_per_s": copy, "repeats": args.repeats,
+               "layout": args.layout,
                "variants": {n: VARIANTS[n] for n in args.variants}, "results": rows}
         print(f"wrote {ResultLog(args.out).save(run)}")
     return 0
