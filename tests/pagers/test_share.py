@@ -18,9 +18,10 @@ from kvcompose.paging import DenseCodec, LayerStore
 H, D = 2, 4
 
 
-def _store(B=1, block=4, group=4, residual=0, codecs=None, refcounted=True):
+def _store(B=1, block=4, group=4, residual=0, codecs=None, refcounted=True, head_major=False):
     return LayerStore(B, H, D, torch.float64, torch.device("cpu"), block_size=block, group_size=group,
-                      residual=residual, codecs=codecs or {"all": DenseCodec(torch.float64)}, refcounted=refcounted)
+                      residual=residual, codecs=codecs or {"all": DenseCodec(torch.float64)}, refcounted=refcounted,
+                      head_major=head_major)
 
 
 def _kv(position: int):
@@ -47,10 +48,10 @@ class ShareMachine(RuleBasedStateMachine):
     each row's logical tokens (a multiset of positions; a position's keys never change)."""
 
     @initialize(batch=st.integers(1, 3), block=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4]),
-                residual=st.sampled_from([0, 3]))
-    def setup(self, batch, block, group, residual):
+                residual=st.sampled_from([0, 3]), head_major=st.booleans())
+    def setup(self, batch, block, group, residual, head_major):
         self.B = batch
-        self.store = _store(batch, block, group, residual)
+        self.store = _store(batch, block, group, residual, head_major=head_major)
         self.pager = SharePager()
         self.model = [Counter() for _ in range(batch)]
 
@@ -172,9 +173,10 @@ def test_share_pager_refuses_several_classes_and_static_stores():
         SharePager().share(store, torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
 
 
+@pytest.mark.parametrize("layout", ["slot", "head"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "ternary", {"name": "int", "bits": 4}])
-def test_shared_quantized_blocks_read_the_same_through_the_fused_attention(fmt):
-    policy = Policy(pager="share", precision={"all": fmt}, block_size=16, group_size=16)
+def test_shared_quantized_blocks_read_the_same_through_the_fused_attention(fmt, layout):
+    policy = Policy(pager="share", precision={"all": fmt}, block_size=16, group_size=16, pool_layout=layout)
     store = policy.make_store(2, H, 16, torch.float32, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     store.append(torch.randn(2, H, 70, 16, generator=g), torch.randn(2, H, 70, 16, generator=g))
@@ -187,7 +189,8 @@ def test_shared_quantized_blocks_read_the_same_through_the_fused_attention(fmt):
     k, v = view.keys.repeat_interleave(group, 1), view.values.repeat_interleave(group, 1)
     logits = (q @ k.transpose(-1, -2)) * 0.25
     ref = logits.masked_fill(~view.valid[:, None, None, :], float("-inf")).softmax(-1) @ v
-    out = paged_decode_attention(q, store.attention_sources(), 0.25, backend="torch")
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for backend in ("torch", "triton"):
+        out = paged_decode_attention(q, store.attention_sources(), 0.25, backend=backend)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     # The shared entries really read the source blocks' tokens.
     assert view.positions[0, 48:64].tolist() == list(range(16)) and view.positions[0, 32:48].tolist() == list(range(16, 32))
