@@ -34,6 +34,7 @@ from harness.results import ResultLog, result_path
 from harness.table import format_table
 from harness.timing import copy_tbps, graph_ms
 from kvcompose import registry
+from kvcompose.policies.policy import DEFAULT_POOL_LAYOUT, POOL_LAYOUTS
 from kvcompose.policies.presets import THINKV_FORMATS
 from kvcompose.ops.paged_attention import (
     KVOperand,
@@ -63,7 +64,7 @@ FORMATS = {  # label -> (key quantizer spec, value quantizer spec); None: bf16 a
 }
 BLOCK_SIZES = {"kivi2": 32}  # the kivi2 preset's blocks and token groups (16-slot blocks elsewhere)
 UNIT = {"fp8": 1 / 448, "nvfp4": 1 / (6 * 448), "ternary": 1 / 448}
-LAYOUT = "slot"  # "head": the pools' per-slot tensors head-major (formats.row_layout); --layout
+LAYOUT = DEFAULT_POOL_LAYOUT  # the pools' (slot, head) row order, as a Policy's by default (formats.row_layout)
 TARGETS = {"frac_copy": 0.8, "speedup": {"nvfp4": 3.0, "ternary": 3.0, "fp8": 1.8, "bf16": 1.0}}
 
 
@@ -214,8 +215,8 @@ def main(argv=None) -> int:
                    help="cuda: the CUDA kernel, timed where it takes the format and is built")
     p.add_argument("--riders-in-merge", choices=["native", "always", "never"], default=launch.RIDERS_IN_MERGE,
                    help="where the recent buffer beside CUDA-read pools is computed (launch.RIDERS_IN_MERGE)")
-    p.add_argument("--layout", choices=["slot", "head"], default="slot",
-                   help="how the pools' (slot, head) rows lie: slot-major as the store keeps them, or head-major")
+    p.add_argument("--layout", choices=list(POOL_LAYOUTS), default=DEFAULT_POOL_LAYOUT,
+                   help="how the pools' (slot, head) rows lie (Policy.pool_layout; default: the Policy default)")
     p.add_argument("--out", default=str(result_path("attention_gpu")), help="history file the run is added to")
     args = p.parse_args(argv)
     global LAYOUT

@@ -262,7 +262,7 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args, copy
             traceback.print_exc()
             row = {"batch": batch, "new_tokens": new, "error": f"{type(exc).__name__}: {exc}"[:500]}
         row = add_floor(row, copy)
-        row.update(policy=name, scenario=scenario)
+        row.update(policy=name, scenario=scenario, pool_layout=policy.pool_layout)
         if "tok_per_s" in row:
             row["ratio_to_baseline"] = row["tok_per_s"] / base["tok_per_s"]
         rows.append(row)

@@ -24,6 +24,7 @@ from harness.results import latest_run, read_runs  # noqa: E402
 from harness.table import NONE, markdown_table as _table, run_gpu as _run_gpu  # noqa: E402
 from harness.cpu_section import cpu_decode  # noqa: E402
 from harness.tp_section import tensor_parallel  # noqa: E402
+from kvcompose.policies.policy import DEFAULT_POOL_LAYOUT  # noqa: E402
 
 RESULTS = ROOT / "results"
 OUT = ROOT.parent / "docs" / "benchmark-results.md"
@@ -60,6 +61,21 @@ def quant(lines: list[str]) -> None:
             for r in data["results"] if r.get("status") == "ok"]
     lines += _table(["format", "tokens", "op", "path", "kernel ms", "TB/s", "% of copy", "≥ target", "call ms",
                      "bit-exact"], rows) + [""]
+
+
+def layout_labelled(runs: list[dict]) -> list[dict]:
+    """``runs`` with each kvcompose record named by what ran: the preset, and ``@layout`` where its
+    pools' rows were not in today's default order (``nvfp4@slot``). A record without
+    ``pool_layout`` ran on the layout its name asks for (``nvfp4@head``), else on slot-major pools,
+    the default when it was made. The file keeps the names as recorded."""
+    def label(r: dict) -> dict:
+        if r["policy"] == BASELINE:
+            return r
+        name, _, asked = r["policy"].partition("@")
+        layout = r.get("pool_layout") or asked or "slot"
+        return dict(r, policy=name if layout == DEFAULT_POOL_LAYOUT else f"{name}@{layout}")
+
+    return [dict(entry, records=[label(r) for r in entry["records"]]) for entry in runs]
 
 
 def shown_e2e_records(runs: list[dict]) -> list[tuple[dict, dict | None]]:
@@ -174,7 +190,7 @@ def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None
     in the JSON."""
     if runs is None:
         runs = read_runs(RESULTS / "e2e_gpu.json")
-    runs = [r for r in runs if not r.get("smoke")]
+    runs = layout_labelled([r for r in runs if not r.get("smoke")])
     if not runs:
         return
     shown = shown_e2e_records(runs)
@@ -186,7 +202,9 @@ def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None
               "prompts greedily with EOS disabled, in one process per run: first the baseline, transformers' static "
               "cache with its compiled decode step (sdpa attention), then each kvcompose preset through the "
               "static-shape path replayed as CUDA graphs (`fast_generate`). Decoding speed does not depend on the "
-              "weights.", "",
+              "weights. A policy is the preset as named; `preset@slot` ran with its pools' rows slot-major "
+              "(`Policy.pool_layout=\"slot\"`, the default before head-major rows became it), `preset+hadamard` "
+              "with the Hadamard rotation of the stored keys and values.", "",
               "**What is timed.** *ms/step* is decode wall time over the steps timed: for kvcompose from its first "
               "decode step to the end with a fresh cache, decoding as a user's call does (the host queues steps "
               "ahead of the GPU), so the one-time work of its CUDA graphs (each variant's first run, capture and "
@@ -274,14 +292,38 @@ def _throughput_svg(records: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def full_attention_grid(runs: list[dict]) -> dict | None:
-    """The newest run of the whole grid at the default launch settings: runs of a few formats
-    (``--formats``), with the recent buffer placed otherwise (``--riders-in-merge``) or with
-    head-major pools (``--layout head``) answer a narrower question and stay in the JSON only."""
+def full_attention_grid(runs: list[dict], layout: str = DEFAULT_POOL_LAYOUT) -> dict | None:
+    """The newest run of the whole grid at the default launch settings on pools of ``layout``
+    (runs before ``--layout`` existed are slot-major): runs of a few formats (``--formats``) or
+    with the recent buffer placed otherwise (``--riders-in-merge``) answer a narrower question
+    and stay in the JSON only."""
     full = [r for r in runs if not r.get("smoke") and r.get("riders_in_merge", "native") == "native"
-            and r.get("layout", "slot") == "slot"
+            and r.get("layout", "slot") == layout
             and any(x["format"] == "bf16" for x in r.get("results", ()))]
     return full[-1] if full else None
+
+
+def attention_layouts(lines: list[str], runs: list[dict]) -> None:
+    """The newest full grid of each pool layout side by side: what the default layout buys."""
+    slot, head = (full_attention_grid(runs, layout) for layout in ("slot", "head"))
+    if not (slot and head):
+        return
+    def key(r: dict) -> tuple:
+        return r["format"], r.get("kernel", "triton"), r["batch"], r["tokens"], r.get("head_dim", 128)
+
+    before = {key(r): r for r in slot["results"]}
+    rows = [[r["format"], r.get("kernel", "triton"), f"{r['batch']}x{r['tokens']}x{r.get('head_dim', 128)}",
+             f"{1e3 * before[key(r)]['ms']:.0f}", f"{1e3 * r['ms']:.0f}",
+             f"{100 * before[key(r)]['fraction_of_copy']:.0f}", f"{100 * r['fraction_of_copy']:.0f}",
+             f"{before[key(r)]['ms'] / r['ms']:.2f}"] for r in head["results"] if key(r) in before]
+    lines += ["### Pool layout: slot-major against head-major", "",
+              f"The newest full grid on slot-major pools ({_env(slot)}; copy bandwidth "
+              f"{slot['copy_tb_per_s']:.2f} TB/s) beside the newest on head-major pools ({_env(head)}; "
+              f"{head['copy_tb_per_s']:.2f} TB/s): two runs, so the bf16 rows, whose kernel reads both "
+              "layouts alike, show how far the two runs differ by themselves. *x* is the slot-major time over "
+              "the head-major one.", ""]
+    lines += _table(["format", "kernel", "B x L x D", "slot µs", "head µs", "slot % of copy", "head % of copy", "x"],
+                    rows) + [""]
 
 
 def mixed_store(mixed) -> str:
@@ -300,14 +342,16 @@ def mixed_store(mixed) -> str:
 
 
 def attention(lines: list[str]) -> None:
-    data = full_attention_grid(read_runs(RESULTS / "attention_gpu.json"))
+    runs = read_runs(RESULTS / "attention_gpu.json")
+    data = full_attention_grid(runs)
     if not data:
         return
     t = data["targets"]
     lines += ["## Fused paged decode attention", "", f"`attention_gpu.json` — {_env(data)}", "",
               "One decode step of one layer at Llama-3-8B shapes (32 query heads, 8 KV heads of 128, and head dim "
               "64 where D says so): the tokens sit in shuffled 16-slot blocks (kivi2: 32-slot blocks and token "
-              "groups, as its preset) in their storage format plus a 16-token bf16 buffer; *mixed* is "
+              f"groups, as its preset) in their storage format, rows {data.get('layout', 'slot')}-major "
+              "(`Policy.pool_layout`), plus a 16-token bf16 buffer; *mixed* is "
               f"{mixed_store(data['shapes'].get('mixed', ['ternary', 'nvfp4', 'fp8']))}. The op is timed "
               "as a CUDA-graph replay (its partial launches and the merge), once per kernel: *triton*, and *cuda* "
               "(the CUDA kernel, on the pools it takes) where it ran. TB/s counts the bytes the op "
@@ -330,6 +374,7 @@ def attention(lines: list[str]) -> None:
              f"{r['max_abs_diff_vs_reference']:.1e}"] for r in data["results"]]
     lines += _table(["format", "kernel", "B x L x D", "launch", "µs", "TB/s", "% of copy", "SDPA µs", "x SDPA",
                      "x bf16 kernel", "max diff vs ref"], rows) + [""]
+    attention_layouts(lines, runs)
 
 
 def eviction(lines: list[str]) -> None:

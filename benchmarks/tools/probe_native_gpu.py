@@ -10,9 +10,8 @@ against the torch reference; the stand-ins' outputs are not checked.
 
     python benchmarks/tools/probe_native_gpu.py --variants base stages3 no_cvt no_scale no_decode
     python benchmarks/tools/probe_native_gpu.py --variants base no_attend copy_only codes_only  # memory side
-    python benchmarks/tools/probe_native_gpu.py --variants copy_only head_major_copy base head_major \
-        --out benchmarks/results/probe_native_gpu.json
-    python benchmarks/tools/probe_native_gpu.py --layout head --variants base copy_only codes_only
+    python benchmarks/tools/probe_native_gpu.py --layout slot --variants copy_only head_major_copy base head_major
+    python benchmarks/tools/probe_native_gpu.py --variants base copy_only --out benchmarks/results/probe_native_gpu.json
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from harness.results import ResultLog  # noqa: E402
 from harness.timing import copy_tbps, graph_ms  # noqa: E402
 
 from kvcompose.ops.paged_attention import bytes_read, native, paged_decode_attention  # noqa: E402
+from kvcompose.policies.policy import DEFAULT_POOL_LAYOUT, POOL_LAYOUTS  # noqa: E402
 
 CVT = [f'"cvt.rn.f16x2.e4m3x2 %{i}, {r};\\n"' for i, r in enumerate(("l0", "l1", "h0", "h1"))]
 MUL = [f'"mul.rn.f16x2 %{i}, %{i}, %5;\\n"' for i in range(4)]
@@ -130,10 +130,14 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--shapes", nargs="*", default=["16x8192x128", "64x4096x128", "256x1024x128"])
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--layout", choices=["slot", "head"], default="slot",
-                   help="pool rows slot-major or head-major (the head_major* stand-ins assume slot)")
+    p.add_argument("--layout", choices=list(POOL_LAYOUTS), default=DEFAULT_POOL_LAYOUT,
+                   help="the pools' (slot, head) row order (Policy.pool_layout); the head_major* stand-ins need slot")
     p.add_argument("--out", default=None, help="history file the run is added to (default: stdout only)")
     args = p.parse_args(argv)
+    stand_ins = [v for v in args.variants if v.startswith("head_major")]
+    if stand_ins and args.layout != "slot":
+        p.error(f"variants {', '.join(stand_ins)} read slot-major pools at head-major addresses; "
+                f"give --layout slot (got --layout {args.layout})")
     bench.LAYOUT = args.layout
     copy = copy_tbps("cuda")
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)

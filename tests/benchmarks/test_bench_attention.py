@@ -46,6 +46,7 @@ def test_head_major_pools_hold_the_same_store(bench, monkeypatch):
     monkeypatch.setattr(dispatch, "use_triton", lambda *args: False)
     B, L = 2, 3 * 64 + bench.BUFFER
     query = torch.randn(B, bench.Q_HEADS, 1, 64)
+    monkeypatch.setattr(bench, "LAYOUT", "slot")
     slot_major = bench.build("mixed", B, L, "cpu", dim=64)
     monkeypatch.setattr(bench, "LAYOUT", "head")
     moved = bench.build("mixed", B, L, "cpu", dim=64)

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -88,6 +89,7 @@ def test_smoke_on_cpu_times_the_same_steps_on_both_sides_with_floors_and_ratios(
             assert r["kv_bytes_read_per_step"] == r["kv_bytes"]  # its whole reserved cache
         else:
             assert r["kv_bytes_read_per_step"] == (r["kv_live_bytes_after_prefill"] + r["kv_live_bytes_at_end"]) / 2
+            assert r["pool_layout"] == "head"  # what the preset ran on: the results page names the others
     rkv_long = next(r for r in records if r["scenario"] == "long" and r["policy"] == "rkv")
     full_long = next(r for r in records if r["scenario"] == "long" and r["policy"] == "fullkv")
     assert rkv_long["kv_live_bytes_after_prefill"] < full_long["kv_live_bytes_after_prefill"]  # prompt over budget
@@ -109,7 +111,7 @@ def test_fixed_memory_times_the_same_window_on_both_sides(bench, monkeypatch):
 
     monkeypatch.setattr(bench, "fit_transformers_static", fit_baseline)
     monkeypatch.setattr(bench, "fit_policy", fit_policy)
-    monkeypatch.setattr(bench, "make_policy", lambda name, budget, smoke: name)
+    monkeypatch.setattr(bench, "make_policy", lambda name, budget, smoke: SimpleNamespace(pool_layout="head"))
     args = argparse.Namespace(smoke=False, memory_gib=70.0, window=768, oom_retries=4, start_batch={"rkv": 331})
     rows = bench.run_scenario(None, "c", dict(bench.SCENARIOS["c"]), ["rkv", "fullkv"], args, 4.0)
     assert given["baseline"] == (512, 8192, 768) and given["policies"] == [(512, 8192, 768)] * 2
@@ -130,6 +132,7 @@ def test_start_batches_are_parsed_per_policy_and_bad_ones_are_named(bench):
 def test_policy_names_add_a_rotation_and_a_pool_layout(bench):
     policy = bench.make_policy("nvfp4+hadamard@head", 64, False)
     assert policy.rotation.name == "hadamard" and policy.pool_layout == "head" and policy.precision["all"].name == "nvfp4"
-    assert bench.make_policy("rkv", 64, False).pool_layout == "slot"
+    assert bench.make_policy("rkv@slot", 64, False).pool_layout == "slot"
+    assert bench.make_policy("rkv", 64, False).pool_layout == "head"  # the Policy default
     with pytest.raises(ValueError, match="accepted: 'slot', 'head'"):
         bench.make_policy("rkv@heads", 64, False)

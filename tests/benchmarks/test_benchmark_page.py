@@ -70,16 +70,51 @@ def test_end_to_end_tables_show_the_new_fields_and_a_dash_where_an_old_record_la
         {"policy": "fullkv", "scenario": "long", "run": "l1", "batch": 16, "new_tokens": 512, "timed_steps": 511,
          "ms_per_step": 20.0, "steady_ms_per_step": 18.0, "floor_ms_per_step": 7.5, "floor_ratio": 2.67,
          "tok_per_s": 800.0, "ratio_to_fullkv": 1.0, "ratio_to_baseline": 2.0, "peak_gib": 39.0,
-         "eviction_share": 0.0}]}
+         "eviction_share": 0.0, "pool_layout": "head"}]}
     lines = []
     summarize.e2e(lines, {}, [old, new])
     page = "\n".join(lines)
     assert "a long history" not in page  # a run's notes stay in the JSON
-    assert "| rkv | b4 | H100 80GB HBM3 | 16 | 8,192 | — | 14.6 | — | — | — | 1,092 | — | 4.41 | 25.5 | — |" in page
+    assert ("| rkv@slot | b4 | H100 80GB HBM3 | 16 | 8,192 | — | 14.6 | — | — | — | 1,092 | — | 4.41 | 25.5 | — |"
+            in page)
     assert "| fullkv | l1 | H200 | 16 | 512 | 511 | 20.0 | 18.0 | 7.50 | 2.67 | 800 | 1.00 | 2.00 | 39.0 | 0.0 |" in page
     assert "| transformers-static | l1 | H200 | 16 | 512 | 511 | 40.0 | — | 8.00 | 5.00 | 400 | 0.50 | 1.00 | 40.0 | — |" in page
     assert "In run b4, recorded before both sides timed the same steps" in page
     assert page.count("No run recorded yet.") == 2  # scenarios a and c
+
+
+def test_records_are_named_by_the_pool_layout_they_ran_on():
+    """Before ``pool_layout`` was recorded, a name without ``@layout`` ran on slot-major pools."""
+    summarize = _summarize()
+    names = ["transformers-static", "nvfp4", "nvfp4@head", "nvfp4+hadamard@head", "rkv@slot", "fullkv", "thinkv"]
+    layouts = [None, None, None, None, None, "slot", "head"]
+    records = [{"policy": n, **({"pool_layout": lay} if lay else {})} for n, lay in zip(names, layouts)]
+    entry = {"environment": {}, "records": records}
+    (labelled,) = summarize.layout_labelled([entry])
+    assert [r["policy"] for r in labelled["records"]] == [
+        "transformers-static", "nvfp4@slot", "nvfp4", "nvfp4+hadamard", "rkv@slot", "fullkv@slot", "thinkv"]
+    assert [r["policy"] for r in records] == names  # what the file holds is left as recorded
+
+
+def test_the_attention_section_sets_the_newest_grid_of_each_pool_layout_side_by_side():
+    summarize = _summarize()
+
+    def run(layout, ms, **extra):
+        rows = [{"format": f, "kernel": "triton", "batch": 16, "tokens": 8192, "head_dim": 128, "ms": ms[f],
+                 "fraction_of_copy": 0.1 / ms[f]} for f in ("bf16", "nvfp4")]
+        return {"environment": {"gpu": "NVIDIA H200"}, "copy_tb_per_s": 4.28, "results": rows, **extra, **layout}
+
+    runs = [run({}, {"bf16": 0.2, "nvfp4": 0.12}), run({"layout": "head"}, {"bf16": 0.2, "nvfp4": 0.1}),
+            run({"layout": "head"}, {"bf16": 0.2, "nvfp4": 0.05}, smoke=True)]
+    assert summarize.full_attention_grid(runs, "slot") is runs[0]
+    assert summarize.full_attention_grid(runs, "head") is runs[1]  # a smoke run is not a grid
+    lines = []
+    summarize.attention_layouts(lines, runs)
+    assert "| nvfp4 | triton | 16x8192x128 | 120 | 100 | 83 | 100 | 1.20 |" in lines
+    assert "| bf16 | triton | 16x8192x128 | 200 | 200 | 50 | 50 | 1.00 |" in lines
+    lines = []
+    summarize.attention_layouts(lines, runs[:1])  # one layout only: nothing to set beside it
+    assert lines == []
 
 
 def long_record(policy: str, run: str, **fields) -> dict:
@@ -110,12 +145,17 @@ def test_the_readme_speed_figures_are_the_jsons():
     from kvcompose.policies import presets
 
     summarize = _summarize()
-    runs = [r for r in summarize.read_runs(summarize.RESULTS / "e2e_gpu.json") if not r.get("smoke")]
+    runs = summarize.layout_labelled([r for r in summarize.read_runs(summarize.RESULTS / "e2e_gpu.json")
+                                      if not r.get("smoke")])
     shown = summarize.shown_e2e_records(runs)
     readme = re.sub(r"\s+", " ", (BENCH.parent / "README.md").read_text())
 
     def newest(scenario):
-        return {r["policy"]: (r, env) for r, env in shown if r["scenario"] == scenario}
+        """The shown records of ``scenario`` by preset: a preset's record on today's default pool
+        layout, else its record on slot-major pools (its label says which)."""
+        shown_here = {r["policy"]: (r, env) for r, env in shown if r["scenario"] == scenario}
+        return {p: shown_here.get(p) or shown_here[p + "@slot"] for p in {k.partition("@")[0] for k in shown_here}
+                if p in shown_here or p + "@slot" in shown_here}
 
     def latest_run(scenario):
         """The records of the newest run of ``scenario``, baseline left out."""
@@ -128,10 +168,13 @@ def test_the_readme_speed_figures_are_the_jsons():
         return f"{low}x" if low == high else f"{low}-{high}x"
 
     def named(run):
-        """The presets of a run as the README lists them: "fullkv, fp8 and nvfp4"."""
+        """The presets of a run as the README lists them: "fullkv, fp8 and nvfp4" (runs on slot-major
+        pools: "fullkv@slot, fp8@slot and nvfp4@slot")."""
         order = ["fullkv", "fp8", "nvfp4", "rkv", "snapkv", "thinkv"]
-        assert set(run) <= set(order) and "fullkv" in run, sorted(run)
-        names = [p for p in order if p in run]
+        suffix = "@slot" if all(p.endswith("@slot") for p in run) else ""
+        presets = {p.removesuffix(suffix) for p in run}
+        assert presets <= set(order) and "fullkv" in presets, sorted(run)
+        names = [p + suffix for p in order if p in presets]
         return ", ".join(names[:-1]) + " and " + names[-1]
 
     a, long = latest_run("a"), latest_run("long")
@@ -140,12 +183,13 @@ def test_the_readme_speed_figures_are_the_jsons():
             f"{named(long)} {span([r['ratio_to_baseline'] for r in long.values()])} with 8,192-token prompts") in readme
 
     def to_fullkv(run):
-        return span([r["ratio_to_fullkv"] for p, r in run.items() if p != "fullkv"], 2)
+        return span([r["ratio_to_fullkv"] for p, r in run.items() if p.partition("@")[0] != "fullkv"], 2)
 
     assert (f"decode at {to_fullkv(a)} its tokens/s (2,048 new tokens) and {to_fullkv(long)} (8,192-token "
             "prompts)") in readme
     b = newest("b")
-    assert f"nvfp4 and fp8 {b['nvfp4'][0]['ratio_to_baseline']:.1f}x and {b['fp8'][0]['ratio_to_baseline']:.1f}x" in readme
+    assert (f"{b['nvfp4'][0]['policy']} and {b['fp8'][0]['policy']} {b['nvfp4'][0]['ratio_to_baseline']:.1f}x and "
+            f"{b['fp8'][0]['ratio_to_baseline']:.1f}x") in readme
     assert {summarize._run_gpu(b[p][1]) for p in ("nvfp4", "fp8")} == {"H200"}
     c = newest("c")
     thinkv, env = c["thinkv"]
@@ -153,10 +197,10 @@ def test_the_readme_speed_figures_are_the_jsons():
     windows = (f"both timed over their first {base['new_tokens']:,} new tokens"
                if thinkv["new_tokens"] == base["new_tokens"] else
                f"ThinKV timed over its first {thinkv['new_tokens']:,} new tokens, the baseline over {base['new_tokens']:,}")
-    assert (f"ThinKV fits {thinkv['batch']} rows to the baseline's {base['batch']} and decodes "
+    assert (f"{thinkv['policy']} fits {thinkv['batch']} rows to the baseline's {base['batch']} and decodes "
             f"{thinkv['ratio_to_baseline']:.1f}x its tokens/s ({summarize._run_gpu(env)}; {windows}") in readme
     full, _ = c["fullkv"]  # a run cut short before its fullkv is named, with its own ThinKV figure
-    said = f"fullkv fits {full['batch']} rows and decodes {full['ratio_to_baseline']:.1f}x"
+    said = f"{full['policy']} fits {full['batch']} rows and decodes {full['ratio_to_baseline']:.1f}x"
     if full["run"] == thinkv["run"]:
         said += f", so ThinKV gives {thinkv['ratio_to_fullkv']:.2f}x fullkv's tokens/s"
     else:
@@ -164,14 +208,14 @@ def test_the_readme_speed_figures_are_the_jsons():
             return next((r for entry in runs for r in entry["records"] if r["policy"] == policy and r["run"] == run),
                         None)
 
-        same_run = in_run("thinkv", full["run"])
+        same_run = in_run(thinkv["policy"], full["run"])
         if same_run is not None:
             said += f" in run {full['run']}, with ThinKV at {same_run['ratio_to_baseline']:.1f}x"
         else:  # the newest fullkv's run ended before ThinKV's turn: the newest run with both is named too
-            both = [r for entry in runs for r in entry["records"] if r["policy"] == "fullkv" and r.get("scenario") == "c"
-                    and in_run("thinkv", r["run"]) is not None][-1]
+            both = [r for entry in runs for r in entry["records"] if r["policy"] == full["policy"]
+                    and r.get("scenario") == "c" and in_run(thinkv["policy"], r["run"]) is not None][-1]
             said += (f" in run {full['run']}, which ended before ThinKV's turn; {both['ratio_to_baseline']:.1f}x in run "
-                     f"{both['run']}, with ThinKV at {in_run('thinkv', both['run'])['ratio_to_baseline']:.1f}x")
+                     f"{both['run']}, with ThinKV at {in_run(thinkv['policy'], both['run'])['ratio_to_baseline']:.1f}x")
     assert said in readme
     assert "grows with" not in readme  # the baseline's step spans its whole reserved cache at every step
 

@@ -51,3 +51,11 @@ def test_the_compile_tool_builds_the_kernels_where_nvcc_is_installed(compile_too
         pytest.skip("no nvcc (CUDA_HOME or PATH): benchmarks/tools/native_compile.py --nvcc compiles the kernels")
     lines = compile_tool.compile_kernels(nvcc, [])
     assert len(lines) == len(compile_tool.KERNELS) and all("registers" in line for line in lines)
+
+
+def test_the_head_major_stand_ins_are_refused_on_head_major_pools(probe, capsys):
+    """They read slot-major pools at head-major addresses: on head-major pools they would time nothing real."""
+    with pytest.raises(SystemExit):
+        probe.main(["--layout", "head", "--variants", "base", "head_major_copy"])
+    assert "variants head_major_copy read slot-major pools at head-major addresses; give --layout slot" in (
+        capsys.readouterr().err)

@@ -32,6 +32,9 @@ COMPONENT_FIELDS = {"evictor": "evictor", "trigger": "trigger", "pager": "pager"
 #: ``Policy.pool_layout`` values: pools keep a slot's heads side by side ("slot"), or each head's
 #: slots side by side ("head"; see :func:`kvcompose.ops.paged_attention.row_layout`).
 POOL_LAYOUTS = ("slot", "head")
+#: The default: head-major rows are what the decode attention reads as runs of bytes
+#: (``docs/development.md``: the CUDA kernel's copies ran faster on them; the Triton kernel's did not slow).
+DEFAULT_POOL_LAYOUT = "head"
 
 
 @dataclass
@@ -55,7 +58,7 @@ class Policy:
     refresh: int = 128  # tokens per thought segment: the classifier runs once per segment (ThinKV tau)
     filter: Any = None  # sharing filter: which sealed blocks the share pager maps onto earlier ones (ReasonCache)
     rotation: Any = None  # rotation of the stored keys and values (e.g. "hadamard"); None: as computed
-    pool_layout: str = "slot"  # how a pool orders its (slot, head) rows: "slot" (a slot's heads together) or "head"
+    pool_layout: str = DEFAULT_POOL_LAYOUT  # a pool's (slot, head) rows: "head" (a head's slots together) or "slot"
 
     def __post_init__(self) -> None:
         for fname, kind in COMPONENT_FIELDS.items():
