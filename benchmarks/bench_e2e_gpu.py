@@ -46,8 +46,9 @@ The environment (GPU, versions, git commit and dirty flag) is read by the script
     python benchmarks/bench_e2e_gpu.py --scenarios a --out benchmarks/results/e2e_gpu.json
 
 A policy named ``preset+rotation`` (``nvfp4+hadamard``) is the preset with that rotation of the
-stored keys and values, and ``preset@head`` (``thinkv@head``) the preset with its pools' rows by
-head (``Policy.pool_layout``); their records carry that name.
+stored keys and values, and ``preset@slot`` (``thinkv@slot``) the preset with its pools' rows
+slot-major (``Policy.pool_layout``; ``@head`` names the default). Records carry that name and the
+``pool_layout`` the preset ran on.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def build_model(smoke: bool, device: str = "cuda"):
 
 def make_policy(name: str, budget: int, smoke: bool):
     """The preset ``name`` as the scenario runs it; ``preset+rotation`` (``nvfp4+hadamard``) adds
-    that rotation of the stored keys and values, ``preset@layout`` (``thinkv@head``) that pool
+    that rotation of the stored keys and values, ``preset@layout`` (``thinkv@slot``) that pool
     layout (``Policy.pool_layout``)."""
     from kvcompose import Policy
     from kvcompose.speed import warm_up_policy

@@ -248,7 +248,8 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     (``kv_live_bytes_after_prefill``, from a prefill-only run of the same prompts) and at the end
     of the timed run (``kv_live_bytes_at_end``). ``inspect``: called with the timed run's cache at
     the end; the fields it returns are added to the record. ``warm_up_s``: the wall time of the
-    untimed warm-up runs before it (``warm_up``), kernel compilation included."""
+    untimed warm-up runs before it (``warm_up``), kernel compilation included. ``pool_layout``:
+    the row order of the store's pools (``Policy.pool_layout``)."""
     if policy.needs_text:
         raise ValueError(f"policy {policy.name!r}: its {policy.needs_text} reads the generated text, so it decodes "
                          "eagerly; the speed benchmark times the static-shape path only")
@@ -297,7 +298,7 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
                refresh_steps=summary.get("refresh_steps", 0), replays=summary["replays"],
                eviction_call_rate=evicting / max(new - 1, 1), fused=summary.get("fused"),
                rotation_in_weights=summary.get("rotation_in_weights", 0),
-               warm_ups=summary.get("warm_ups", 0))
+               warm_ups=summary.get("warm_ups", 0), pool_layout=policy.pool_layout)
     return out
 
 

@@ -83,6 +83,12 @@ def test_end_to_end_tables_show_the_new_fields_and_a_dash_where_an_old_record_la
     assert page.count("No run recorded yet.") == 2  # scenarios a and c
 
 
+def test_the_page_knows_the_policy_default_pool_layout():
+    from kvcompose.policies.policy import DEFAULT_POOL_LAYOUT
+
+    assert _summarize().DEFAULT_POOL_LAYOUT == DEFAULT_POOL_LAYOUT
+
+
 def test_records_are_named_by_the_pool_layout_they_ran_on():
     """Before ``pool_layout`` was recorded, a name without ``@layout`` ran on slot-major pools."""
     summarize = _summarize()
@@ -168,13 +174,12 @@ def test_the_readme_speed_figures_are_the_jsons():
         return f"{low}x" if low == high else f"{low}-{high}x"
 
     def named(run):
-        """The presets of a run as the README lists them: "fullkv, fp8 and nvfp4" (runs on slot-major
-        pools: "fullkv@slot, fp8@slot and nvfp4@slot")."""
+        """The policies of a run as the README lists them, each by its label on the results page:
+        "fullkv, fp8 and nvfp4", "fullkv@slot, nvfp4 and nvfp4@slot"."""
         order = ["fullkv", "fp8", "nvfp4", "rkv", "snapkv", "thinkv"]
-        suffix = "@slot" if all(p.endswith("@slot") for p in run) else ""
-        presets = {p.removesuffix(suffix) for p in run}
-        assert presets <= set(order) and "fullkv" in presets, sorted(run)
-        names = [p + suffix for p in order if p in presets]
+        presets = {p.partition("@")[0] for p in run}
+        assert presets <= set(order) and "fullkv" in presets, f"README names only {order}; the run has {sorted(run)}"
+        names = sorted(run, key=lambda p: (order.index(p.partition("@")[0]), p))
         return ", ".join(names[:-1]) + " and " + names[-1]
 
     a, long = latest_run("a"), latest_run("long")

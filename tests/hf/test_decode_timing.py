@@ -56,6 +56,7 @@ def test_speed_times_the_steps_it_says_and_evicts_exactly_past_the_budget(llama)
         assert row["eviction_call_rate"] == row["eviction_steps"] / (new - 1)
         assert row["eager_steps"] == 0  # R-KV's eviction is graph-safe: none runs outside the schedule
         assert row["fused"] is False  # on CPU the decoder layers run uncompiled
+        assert row["pool_layout"] == policy.pool_layout == "head"  # the record says what it ran on
     assert short["eviction_steps"] == 0 and short["kv_live_bytes_at_end"] > short["kv_live_bytes_after_prefill"]
     assert long["eviction_steps"] == eager.report().eviction_steps > 0
     prefilled = policy.make_cache(llama)

@@ -33,7 +33,7 @@ COMPONENT_FIELDS = {"evictor": "evictor", "trigger": "trigger", "pager": "pager"
 #: slots side by side ("head"; see :func:`kvcompose.ops.paged_attention.row_layout`).
 POOL_LAYOUTS = ("slot", "head")
 #: The default: head-major rows are what the decode attention reads as runs of bytes
-#: (``docs/development.md``: the CUDA kernel's copies ran faster on them; the Triton kernel's did not slow).
+#: (``docs/development.md``: the CUDA kernel ran faster on them, the Triton kernel within about 5%).
 DEFAULT_POOL_LAYOUT = "head"
 
 
