@@ -251,7 +251,8 @@ def run_scenario(model, scenario: str, shape: dict, names: list[str], args, copy
     rows.append(base)
     print(json.dumps(base), flush=True)
     saved(rows)
-    for name in sorted(names, key=lambda n: n != "fullkv"):  # the reference first: a run cut short keeps it
+    # the reference (fullkv, on any layout) first: a run cut short keeps it
+    for name in sorted(names, key=lambda n: n.partition("@")[0] != "fullkv"):
         policy = make_policy(name, budget, args.smoke)
         try:
             if fixed_memory:

@@ -168,9 +168,11 @@ def add_floor(row: dict, tbps: float) -> dict:
 
 def add_fullkv_ratios(rows: list[dict], key: str = "policy") -> None:
     """Set ``ratio_to_fullkv`` on every row with a ``tok_per_s``: its tok/s over that of the row
-    whose ``key`` is ``"fullkv"`` (rows of one run and scenario). Without a fullkv row that ran,
-    the rows get no such field."""
-    full = next((r for r in rows if r.get(key) == "fullkv" and r.get("tok_per_s")), None)
+    whose ``key`` is ``"fullkv"`` (rows of one run and scenario), or else ``"fullkv@layout"``
+    (fullkv on a pool layout named in the benchmark's policy name). Without a fullkv row that
+    ran, the rows get no such field."""
+    ran = [r for r in rows if str(r.get(key, "")).partition("@")[0] == "fullkv" and r.get("tok_per_s")]
+    full = next((r for r in ran if r[key] == "fullkv"), ran[0] if ran else None)
     for r in rows:
         r.pop("ratio_to_fullkv", None)
         if full is not None and r.get("tok_per_s") is not None:

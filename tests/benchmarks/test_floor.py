@@ -57,6 +57,12 @@ def test_ratio_to_fullkv_is_against_the_fullkv_row_and_absent_without_one():
     failed_fullkv = [{"policy": "fullkv", "error": "out of memory"}, {"policy": "rkv", "tok_per_s": 1.0}]
     speed.add_fullkv_ratios(failed_fullkv)
     assert all("ratio_to_fullkv" not in r for r in failed_fullkv)
+    layouts = [{"policy": "fullkv@slot", "tok_per_s": 500.0}, {"policy": "nvfp4", "tok_per_s": 1000.0}]
+    speed.add_fullkv_ratios(layouts)  # fullkv on a named layout when it is the only fullkv
+    assert [r["ratio_to_fullkv"] for r in layouts] == [1.0, 2.0]
+    both = layouts + [{"policy": "fullkv", "tok_per_s": 1000.0}]
+    speed.add_fullkv_ratios(both)  # the plain one first
+    assert [r["ratio_to_fullkv"] for r in both] == [0.5, 1.0, 1.0]
 
 
 def test_the_copy_reference_counts_read_and_written_bytes_and_is_the_benchmarks_one(monkeypatch):
