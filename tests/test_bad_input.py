@@ -589,6 +589,9 @@ CASES = [
     Case("generate-fast-sampling", lambda m: _generate(fast=True, do_sample=True)(m), ValueError,
          "fast=True decodes greedily and takes only ['eos_token_id', 'pad_token_id']; got do_sample=True and "
          "options []. Use fast=False (model.generate, eager) for sampling or other generate options"),
+    Case("generate-fold-eager", lambda m: _generate(fast=False, fold_rotation=False)(m), ValueError,
+         "fold_rotation=False applies to the static-shape path (fast=True); this call decodes eagerly "
+         "(model.generate), which keeps the rotation in the cache"),
     Case("store-shape", lambda _: _store().append(torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)), ValueError,
          "keys of shape (2, 2, 3, 16) do not match the cache (batch 1, 2 KV heads, head dim 16)"),
     Case("store-values", lambda _: _store().append(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 4, 16)), ValueError,

@@ -20,6 +20,7 @@ the largest batch whose peak GPU memory, weights included, stays under a cap.
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import statistics
@@ -235,7 +236,7 @@ def warm_up_policy(policy: Policy, budget: int = 64) -> Policy:
 
 def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, new: int,
                 reserve_new_tokens: int | None = None, warm_up: bool = True, inspect=None,
-                profile: bool = True) -> dict:
+                profile: bool = True, fold_rotation: bool = True) -> dict:
     """kvcompose's static-shape decode under ``policy``, timed over ``new`` tokens, with its
     eager steps (evictions, refreshes).
 
@@ -251,33 +252,35 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
     of the timed run (``kv_live_bytes_at_end``). ``inspect``: called with the timed run's cache at
     the end; the fields it returns are added to the record. ``warm_up_s``: the wall time of the
     untimed warm-up runs before it (``warm_up``), kernel compilation included. ``pool_layout``:
-    the row order of the store's pools (``Policy.pool_layout``)."""
+    the row order of the store's pools (``Policy.pool_layout``). ``fold_rotation``: as
+    :func:`~kvcompose.hf.static.fast_generate`'s, for every run here (warm-ups included)."""
     if policy.needs_text:
         raise ValueError(f"policy {policy.name!r}: its {policy.needs_text} reads the generated text, so it decodes "
                          "eagerly; the speed benchmark times the static-shape path only")
     previous = model.config._attn_implementation
     model.set_attn_implementation("kvcompose")
     profile = profile and ids.is_cuda
+    decode = functools.partial(fast_generate, fold_rotation=fold_rotation)
     warm_up_s = 0.0
     try:
         if warm_up:
             begun = time.perf_counter()
-            fast_generate(model, warm_up_policy(policy).make_cache(model), ids, mask, 40)
+            decode(model, warm_up_policy(policy).make_cache(model), ids, mask, 40)
             # At the timed run's capacity, long enough to reach the presets' periodic steps: what is
             # specialized on it (split counts of the attention plan) compiles here, not in the timed
             # run. The CPU path compiles nothing: a few steps do.
             steps = min(new, WARM_UP_STEPS.get(ids.device.type, WARM_UP_STEPS["cpu"]))
-            fast_generate(model, policy.make_cache(model), ids, mask, steps,
-                          reserve_new_tokens=new if reserve_new_tokens is None else reserve_new_tokens)
+            decode(model, policy.make_cache(model), ids, mask, steps,
+                   reserve_new_tokens=new if reserve_new_tokens is None else reserve_new_tokens)
             warm_up_s = time.perf_counter() - begun
         prefilled = policy.make_cache(model)
-        fast_generate(model, prefilled, ids, mask, 1)  # the prefill alone: the cache as decoding starts
+        decode(model, prefilled, ids, mask, 1)  # the prefill alone: the cache as decoding starts
         after_prefill = prefilled.report().held_bytes["in_use"]
         del prefilled
         gc.collect()  # nothing of the earlier runs may count in the timed run's peak
         _peak_reset()
         cache = policy.make_cache(model)
-        timed(lambda: fast_generate(model, cache, ids, mask, new, reserve_new_tokens=reserve_new_tokens))
+        timed(lambda: decode(model, cache, ids, mask, new, reserve_new_tokens=reserve_new_tokens))
         ended = time.perf_counter()
         decoder = cache.static_decoder  # None when no token followed the prefill's
         report = cache.report()
@@ -288,7 +291,7 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
             out.update(inspect(cache))
         del cache, decoder
         if profile and new > 1:
-            out.update(_profiled_run(model, policy, ids, mask, new, reserve_new_tokens))
+            out.update(_profiled_run(model, policy, ids, mask, new, reserve_new_tokens, fold_rotation))
     finally:
         model.set_attn_implementation(previous)
     at_end = report.held_bytes["in_use"]
@@ -305,13 +308,14 @@ def time_policy(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, ne
 
 
 def _profiled_run(model, policy: Policy, ids: torch.Tensor, mask: torch.Tensor, new: int,
-                  reserve_new_tokens: int | None) -> dict:
+                  reserve_new_tokens: int | None, fold_rotation: bool = True) -> dict:
     """The timed run again with its steps profiled (:func:`decode_time_split`). Profiling waits
     for the device before every step, to time the host's own work, so its wall time
     (``profiled_ms_per_step``) is above the timed run's, where the host runs ahead."""
     gc.collect()
     cache = policy.make_cache(model)
-    timed(lambda: fast_generate(model, cache, ids, mask, new, profile=True, reserve_new_tokens=reserve_new_tokens))
+    timed(lambda: fast_generate(model, cache, ids, mask, new, profile=True, reserve_new_tokens=reserve_new_tokens,
+                                fold_rotation=fold_rotation))
     ended = time.perf_counter()
     summary = cache.static_decoder.summary()
     split = decode_time_split(summary) if summary.get("ms_by_kind") else {}

@@ -135,3 +135,29 @@ def test_a_failing_decode_gives_the_original_weights_back(monkeypatch):
         fast_generate(model, cache, ids, mask, 10)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert not any(layer.rotation_in_weights for layer in cache.layers)
+
+
+def test_generate_and_the_timing_take_fold_rotation(monkeypatch):
+    """``policy.generate`` and ``speed.time_policy`` pass ``fold_rotation`` to the static-shape path."""
+    from conftest import char_tokenizer
+
+    from kvcompose import speed
+    from kvcompose.hf import static
+
+    model = tiny_model("llama")
+    policy = Policy.from_preset("nvfp4", rotation="hadamard")
+    _, ids, mask = left_padded([9, 12])
+    for fold, layers in ((True, model.config.num_hidden_layers), (False, 0)):
+        row = speed.time_policy(model, policy, ids, mask, 4, fold_rotation=fold)
+        assert row["rotation_in_weights"] == layers
+    seen, original = [], static.fast_generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("fold_rotation"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(static, "fast_generate", spy)
+    tok = char_tokenizer()
+    folded = policy.generate(model, tok, ["abc"], max_new_tokens=6, fast=True)
+    kept = policy.generate(model, tok, ["abc"], max_new_tokens=6, fast=True, fold_rotation=False)
+    assert seen == [True, False] and len(folded.sequences) == len(kept.sequences) == 1

@@ -68,7 +68,7 @@ FAST_KWARGS = {"eos_token_id", "pad_token_id"}  # what the static-shape path tak
 
 def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat: bool | None = None,
              progress: bool = False, fast: bool | None = None, memory_basis="bfloat16",
-             threads: int | None = None, **generate_kwargs) -> GenerationOutput:
+             threads: int | None = None, fold_rotation: bool | None = None, **generate_kwargs) -> GenerationOutput:
     """Generate under ``policy`` and return texts, generated ids and the memory report.
 
     ``fast``: decode through the static-shape path (:func:`kvcompose.hf.static.fast_generate`:
@@ -78,8 +78,10 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
     call and restored afterwards. ``memory_basis``: the full cache's dtype that the report
     states memory against (see :mod:`kvcompose.report`). ``threads``: CPU threads for a
     model on the CPU (default: chosen by :func:`kvcompose.threads.choose`, which keeps a
-    busy machine from being oversubscribed; restored afterwards). Extra keyword arguments
-    go to ``model.generate``.
+    busy machine from being oversubscribed; restored afterwards). ``fold_rotation``: on the
+    static-shape path, whether a policy's value rotation moves into the projection weights for
+    the decode steps (as :func:`~kvcompose.hf.static.fast_generate`; None: it does); the eager
+    path never folds, so it refuses the option. Extra keyword arguments go to ``model.generate``.
     """
     if "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
         raise ValueError("policy.generate makes its own cache; do not pass cache (or past_key_values)")
@@ -100,6 +102,9 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
             f"fast=True decodes greedily and takes only {sorted(FAST_KWARGS)}; got do_sample={not greedy} and "
             f"options {other}. Use fast=False (model.generate, eager) for sampling or other generate options"
         )
+    if fold_rotation is not None and not fast:
+        raise ValueError(f"fold_rotation={fold_rotation!r} applies to the static-shape path (fast=True); this call "
+                         "decodes eagerly (model.generate), which keeps the rotation in the cache")
     n_threads = cpu_threads.choose(threads).threads if model.device.type == "cpu" else torch.get_num_threads()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
@@ -107,7 +112,8 @@ def generate(policy, model, tokenizer, prompts, max_new_tokens: int = 256, chat:
         cache = policy.make_cache(model, memory_basis=memory_basis, tokenizer=tokenizer)
         with cpu_threads.fixed(n_threads):
             if fast:
-                out = _fast(model, tokenizer, cache, enc, max_new_tokens, generate_kwargs)
+                out = _fast(model, tokenizer, cache, enc, max_new_tokens, generate_kwargs,
+                            True if fold_rotation is None else fold_rotation)
             else:
                 out = _eager(model, tokenizer, cache, enc, max_new_tokens, progress, generate_kwargs)
     finally:
@@ -137,13 +143,13 @@ def _eager(model, tokenizer, cache, enc, max_new_tokens, progress, generate_kwar
     return out
 
 
-def _fast(model, tokenizer, cache, enc, max_new_tokens, generate_kwargs):
+def _fast(model, tokenizer, cache, enc, max_new_tokens, generate_kwargs, fold_rotation: bool):
     from .static import fast_generate
 
     eos = generate_kwargs.get("eos_token_id", sorted(_eos_ids(model, tokenizer)) or None)
     pad = generate_kwargs.get("pad_token_id", tokenizer.pad_token_id)
     return fast_generate(model, cache, enc["input_ids"], enc["attention_mask"], max_new_tokens,
-                         eos_token_id=eos, pad_token_id=pad)
+                         eos_token_id=eos, pad_token_id=pad, fold_rotation=fold_rotation)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
