@@ -6,9 +6,11 @@ Every format's tokens sit in shuffled 16-slot blocks of a pool (kivi2: 32-slot b
 token groups, as its preset) plus a 16-token bf16 recent buffer; ``mixed`` is ThinKV's
 store as the ``thinkv`` preset keeps it (``THINKV_FORMATS``): each thought class a third of
 the tokens, classes of one format as regions (block tables) of one pool, so R and E share an
-NVFP4 pool and T has a ternary one. The op is timed
+NVFP4 pool and T has a ternary one; ``mixed-int`` is ``thinkv-int``'s (``THINKV_INT_FORMATS``:
+R and E in INT4, groups of 32). The op is timed
 as a CUDA-graph replay (its partial launches and the merge), once per kernel that takes the
-format: ``triton`` always, ``cuda`` (the CUDA kernel of NVFP4 and ternary pools) where it is built.
+format: ``triton`` always, ``cuda`` (the CUDA kernel of NVFP4, ternary, INT4 and INT2 pools) where it
+is built.
 Reported per (format, kernel, shape): milliseconds, effective TB/s on the bytes the op must
 read (codes, scales, block tables, validity, queries), that rate as a fraction of the
 device-to-device copy bandwidth measured in the same process, and the speed-ups over
@@ -35,7 +37,7 @@ from harness.table import format_table
 from harness.timing import copy_tbps, graph_ms
 from kvcompose import registry
 from kvcompose.policies.policy import DEFAULT_POOL_LAYOUT, POOL_LAYOUTS
-from kvcompose.policies.presets import THINKV_FORMATS
+from kvcompose.policies.presets import THINKV_FORMATS, THINKV_INT_FORMATS
 from kvcompose.ops.paged_attention import (
     KVOperand,
     PagedSource,
@@ -51,6 +53,7 @@ Q_HEADS, KV_HEADS, BLOCK, BUFFER = 32, 8, 16, 16
 SHAPES = [(1, 32768, 128), (16, 8192, 128), (64, 4096, 128), (256, 1024, 128), (16, 8192, 64)]  # (B, L, head dim)
 SMOKE_SHAPES = [(1, 4096, 128), (16, 1024, 64)]
 MIXED = THINKV_FORMATS  # the mixed store: thought class -> format, a third of the tokens each
+MIXED_INT = THINKV_INT_FORMATS  # thinkv-int's mixed store, likewise
 FORMATS = {  # label -> (key quantizer spec, value quantizer spec); None: bf16 as stored
     "bf16": (None, None),
     "fp8": ("fp8", "fp8"),
@@ -61,6 +64,7 @@ FORMATS = {  # label -> (key quantizer spec, value quantizer spec); None: bf16 a
     "kivi2": ({"name": "int", "bits": 2, "layout": "kivi", "token_group": 32},
               {"name": "int", "bits": 2, "layout": "kivi", "token_group": 32}),
     "mixed": (None, None),  # built from MIXED
+    "mixed-int": (None, None),  # built from MIXED_INT
 }
 BLOCK_SIZES = {"kivi2": 32}  # the kivi2 preset's blocks and token groups (16-slot blocks elsewhere)
 UNIT = {"fp8": 1 / 448, "nvfp4": 1 / (6 * 448), "ternary": 1 / 448}
@@ -82,24 +86,24 @@ def operand(spec, role: str, x: torch.Tensor, row_of: torch.Tensor, B: int) -> K
 
 
 def build(label: str, B: int, L: int, device, dim: int = 128, seed: int = 0) -> list[PagedSource]:
-    """The pool + buffer sources of ``B`` rows of ``L`` tokens of head dim ``dim``; ``mixed``:
-    see :func:`build_mixed`."""
-    if label == "mixed":
-        return build_mixed(B, L, device, dim)
+    """The pool + buffer sources of ``B`` rows of ``L`` tokens of head dim ``dim``; ``mixed`` and
+    ``mixed-int``: see :func:`build_mixed`."""
+    if label in ("mixed", "mixed-int"):
+        return build_mixed(B, L, device, dim, MIXED if label == "mixed" else MIXED_INT)
     return build_pool(FORMATS[label], BLOCK_SIZES.get(label, BLOCK), B, L, device, dim, seed)
 
 
-def build_mixed(B: int, L: int, device, dim: int) -> list[PagedSource]:
-    """ThinKV's store: each class of ``MIXED`` a third of the pool tokens, the classes of one
+def build_mixed(B: int, L: int, device, dim: int, formats: dict) -> list[PagedSource]:
+    """ThinKV's store: each class of ``formats`` a third of the pool tokens, the classes of one
     format as regions of one pool (each row's blocks of that pool cut into one run of table
     columns per class, as the store keeps its R and E regions), and the buffer."""
     classes_of: dict[str, list[str]] = {}
-    for name, spec in MIXED.items():
+    for name, spec in formats.items():
         classes_of.setdefault(spec["name"], []).append(name)
-    share = (L - BUFFER) // len(MIXED)
+    share = (L - BUFFER) // len(formats)
     sources, buffer = [], None
     for seed, classes in enumerate(classes_of.values()):
-        pool, buffer = build_pool((MIXED[classes[0]],) * 2, BLOCK, B, share * len(classes) + BUFFER, device, dim, seed)
+        pool, buffer = build_pool((formats[classes[0]],) * 2, BLOCK, B, share * len(classes) + BUFFER, device, dim, seed)
         edges = [pool.table.shape[1] * i // len(classes) for i in range(len(classes) + 1)]
         sources += [dataclasses.replace(pool, table=pool.table[:, a:b].contiguous()) for a, b in zip(edges, edges[1:])]
     return sources + [buffer]
@@ -233,7 +237,8 @@ def main(argv=None) -> int:
     copy, results = run(SMOKE_SHAPES if args.smoke else SHAPES, args.formats, 5 if args.smoke else args.repeats,
                         kernels)
     data = {"benchmark": "fused paged decode attention vs bf16 SDPA", "smoke": args.smoke,
-            "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "block_size": BLOCK, "mixed": MIXED, "block_sizes": BLOCK_SIZES,
+            "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "block_size": BLOCK, "mixed": MIXED, "mixed_int": MIXED_INT,
+                       "block_sizes": BLOCK_SIZES,
                        "buffer_tokens": BUFFER},
             "riders_in_merge": args.riders_in_merge, "layout": args.layout,
             "targets": TARGETS, "copy_tb_per_s": copy, "native_kernel": status, "results": results,

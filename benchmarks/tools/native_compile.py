@@ -26,14 +26,17 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[2] / "src" / "kvcompose" / "ops" / "paged_attention" / "native_packed.cu"
 #: (format, head dim, query dtype) of every kernel ``packed_partial`` dispatches to
-KERNELS = [(fmt, dim, dtype) for fmt, dim in (("NVFP4", 64), ("NVFP4", 128), ("TERNARY", 128))
+KERNELS = [(fmt, dim, dtype) for fmt, dim in (("NVFP4", 64), ("NVFP4", 128), ("TERNARY", 128), ("INT4", 128),
+                                              ("INT2", 128))
            for dtype in ("__nv_bfloat16", "__half")]
 LAUNCHERS = "template <int F, int D, typename T>\nvoid launch("
 
 
 def dispatched(source: str) -> set[tuple[str, int, str]]:
-    """The (format, head dim, dtype) triples the source's launcher dispatches to."""
-    return {(f, int(d), t) for f, d, t in re.findall(r"KVC_LAUNCH\((\w+), (\d+), (\w+)\)", source)}
+    """The (format, head dim, dtype) triples the source's launcher dispatches to (``KVC_LAUNCH(format,
+    head dim)`` launches either query dtype)."""
+    return {(f, int(d), t) for f, d in re.findall(r"KVC_LAUNCH\(([A-Z]\w*), (\d+)\)", source)
+            for t in ("__nv_bfloat16", "__half")}
 
 
 def format_codes(source: str) -> dict[str, int]:
@@ -50,10 +53,10 @@ def device_source(source: str) -> str:
     for header in ("#include <torch/extension.h>", "#include <ATen/cuda/CUDAContext.h>"):
         device = device.replace(header, "")
     calls = "".join(f"  packed_partial_kernel<{f}, {d}, {t}><<<1, 32>>>(reinterpret_cast<const {t}*>(q), part, lse, "
-                    "valid, kc, ks, khs, vc, vs, vhs, R, 1, 4, 4, 1, 1.f, 0);\n" for f, d, t in KERNELS)
+                    "valid, kc, ks, khs, vc, vs, vhs, km, vm, R, 1, 4, 4, 1, 1.f, 0);\n" for f, d, t in KERNELS)
     return (device + "}  // namespace\n\nvoid launch_all(const void* q, float* part, float* lse, const uint8_t* valid, "
             "const uint8_t* kc, const uint8_t* ks, const float* khs, const uint8_t* vc, const uint8_t* vs, "
-            "const float* vhs, Regions R) {\n" + calls + "}\n")
+            "const float* vhs, const uint8_t* km, const uint8_t* vm, Regions R) {\n" + calls + "}\n")
 
 
 def find_nvcc(given: str | None) -> str | None:

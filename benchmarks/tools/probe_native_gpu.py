@@ -52,8 +52,8 @@ RESCALE = (
 READ = ("    read_tile<F, D>(tile, base + (i % STAGES) * Stage<F, D>::BYTES, at, start + i * TILE + lane < end, gid, tig,\n"
         "                    lane);\n")
 ATTEND = "    attend_tile<F, D>(tile, st, qf, key_scale, gid, tig);\n"
-SIDE_COPIES = ("  copy_async<D / 16>(stage + St::KS + (D / 16) * lane, p.ks + at, slot >= 0);\n",
-               "  copy_async<D / 16>(stage + St::VS + (D / 16) * lane, p.vs + at, slot >= 0);\n",
+SIDE_COPIES = ("  copy_async<SR>(stage + St::KS + SR * lane, p.ks + at, slot >= 0);\n",
+               "  copy_async<SR>(stage + St::VS + SR * lane, p.vs + at, slot >= 0);\n",
                "  if ((lane & 3) == 0) copy_async<4>(stage + St::VALID + lane, p.valid + max(slot, 0), slot >= 0);\n")
 HEAD_MAJOR = [
     ("  const uint32_t code = slot >= 0 ? (uint32_t)slot * p.code_stride + p.code_at : NONE;",
@@ -100,14 +100,15 @@ EXACT = {"base", "stages3", "lb18", "split_k", "lazy_rescale"}
 
 #: Substitutions of every variant: only the NVFP4 bf16 head-dim-128 kernel is compiled (a sixth of the build time).
 ONLY_BF16_128 = [
-    ("if (fmt == TERNARY) { if (bf16) KVC_LAUNCH(TERNARY, 128, __nv_bfloat16); else KVC_LAUNCH(TERNARY, 128, __half); }"
-     "\n  else if (D == 128) { if (bf16) KVC_LAUNCH(NVFP4, 128, __nv_bfloat16); else KVC_LAUNCH(NVFP4, 128, __half); }"
-     "\n  else { if (bf16) KVC_LAUNCH(NVFP4, 64, __nv_bfloat16); else KVC_LAUNCH(NVFP4, 64, __half); }",
-     'TORCH_CHECK(fmt == NVFP4 && D == 128 && bf16, "probe: NVFP4, bf16, head dim 128 only");\n'
-     "  KVC_LAUNCH(NVFP4, 128, __nv_bfloat16);"),
-    ("if (fmt == TERNARY) return bf16 ? resident<TERNARY, 128, __nv_bfloat16>() : resident<TERNARY, 128, __half>();\n"
-     "  if (D == 128) return bf16 ? resident<NVFP4, 128, __nv_bfloat16>() : resident<NVFP4, 128, __half>();\n"
-     "  return bf16 ? resident<NVFP4, 64, __nv_bfloat16>() : resident<NVFP4, 64, __half>();",
+    ("  if (fmt == TERNARY) { KVC_LAUNCH(TERNARY, 128); }\n  else if (fmt == INT4) { KVC_LAUNCH(INT4, 128); }\n"
+     "  else if (fmt == INT2) { KVC_LAUNCH(INT2, 128); }\n  else if (D == 128) { KVC_LAUNCH(NVFP4, 128); }\n"
+     "  else { KVC_LAUNCH(NVFP4, 64); }",
+     '  TORCH_CHECK(fmt == NVFP4 && D == 128 && bf16, "probe: NVFP4, bf16, head dim 128 only");\n'
+     "  launch<NVFP4, 128, __nv_bfloat16>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, extents,\n"
+     "                                   block_size, per_split, n_splits, first, total, qk_scale, head_rows);"),
+    ("  if (fmt == TERNARY) return KVC_RESIDENT(TERNARY, 128);\n  if (fmt == INT4) return KVC_RESIDENT(INT4, 128);\n"
+     "  if (fmt == INT2) return KVC_RESIDENT(INT2, 128);\n  if (D == 128) return KVC_RESIDENT(NVFP4, 128);\n"
+     "  return KVC_RESIDENT(NVFP4, 64);",
      "return resident<NVFP4, 128, __nv_bfloat16>();"),
 ]
 

@@ -16,20 +16,24 @@ def bench(monkeypatch):
     return bench_attention_gpu
 
 
-def test_the_mixed_store_holds_thinkvs_classes_as_the_preset_stores_them(bench, monkeypatch):
+@pytest.mark.parametrize("label,preset_formats", [("mixed", "THINKV_FORMATS"), ("mixed-int", "THINKV_INT_FORMATS")])
+def test_the_mixed_store_holds_thinkvs_classes_as_the_preset_stores_them(bench, monkeypatch, label, preset_formats):
     from kvcompose.ops import dispatch
     from kvcompose.ops.paged_attention import paged_decode_attention_torch
 
     monkeypatch.setattr(dispatch, "use_triton", lambda *args: False)  # the layout is under test: torch quantizes
-    from kvcompose.ops.paged_attention.native import pool_of
-    from kvcompose.policies.presets import THINKV_FORMATS
+    from kvcompose.ops.paged_attention.native import kernel_format, pool_of
+    from kvcompose.policies.presets import THINKV_FORMATS, THINKV_INT_FORMATS
 
+    formats = {"THINKV_FORMATS": THINKV_FORMATS, "THINKV_INT_FORMATS": THINKV_INT_FORMATS}[preset_formats]
     B, L = 2, 3 * 64 + bench.BUFFER
-    sources = bench.build("mixed", B, L, "cpu", dim=64)
+    sources = bench.build(label, B, L, "cpu", dim=64)
     *regions, buffer = sources
-    assert [s.key.fmt for s in regions] == [spec["name"] for spec in THINKV_FORMATS.values()]  # R, E, T
+    assert [s.key.fmt for s in regions] == [spec["name"] for spec in formats.values()]  # R, E, T
+    assert [s.key.bits for s in regions] == [spec.get("bits", 0) for spec in formats.values()]
     r, e, t = regions
-    assert pool_of(r) == pool_of(e) != pool_of(t)  # R and E: regions of one NVFP4 pool
+    assert pool_of(r) == pool_of(e) != pool_of(t)  # R and E: regions of one NVFP4 (INT4) pool
+    assert kernel_format(r.key) == ("nvfp4" if label == "mixed" else "int4")
     assert [s.tokens for s in regions] == [64, 64, 64] and buffer.tokens == bench.BUFFER
     slots = torch.cat([s.slots().reshape(-1) for s in (r, e)])
     assert slots.unique().numel() == slots.numel()  # the regions hold different blocks of the pool

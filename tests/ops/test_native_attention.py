@@ -1,5 +1,5 @@
-"""The CUDA decode kernel of NVFP4 and ternary pools (ops.paged_attention.native): when it runs, and that it
-agrees with the reference."""
+"""The CUDA decode kernel of NVFP4, ternary, INT4 and INT2 pools (ops.paged_attention.native): when it runs,
+and that it agrees with the reference."""
 
 import logging
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvcompose.ops.paged_attention import head_major, native, paged_decode_attention, paged_decode_attention_torch
-from kvcompose.ops.paged_attention import PagedSource
+from kvcompose import registry
+from kvcompose.ops.paged_attention import KVOperand, PagedSource
 from kvcompose.ops.paged_attention.formats import to_head_major
 from kvcompose.ops.paged_attention.launch import _native_plans, native_groups
 
@@ -34,6 +35,37 @@ def test_native_kernel_takes_only_the_pools_it_was_written_for():
     odd = make_source("nvfp4", [20, 3], 2, 128)
     odd.key.codes = to_head_major(odd.key.codes)  # keys head-major, values not
     assert not native.fits(query, odd)
+
+
+def int_source(bits, group_size=32, scale_dtype="float16", D=128, kivi_keys=False):
+    """A pool of INT-k keys and values (KIVI: keys per channel)."""
+    src = make_source("int", [20, 3], 2, D)
+    x = torch.randn(src.valid.numel(), 2, D)
+    spec = {"name": "int", "bits": bits, "group_size": group_size, "scale_dtype": scale_dtype}
+    p = registry.build("quantizer", spec).quantize(x, backend="torch")
+    src.key = src.value = KVOperand("int", p.codes, p.scale, p.minimum, bits=bits)
+    if kivi_keys:
+        src.key = make_source("int_channel", [20, 3], 2, D).key
+    return src
+
+
+def test_native_kernel_takes_int4_and_int2_in_groups_of_32_with_fp16_scales():
+    query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
+    assert native.fits(query, make_source("int", [20, 3], 2, 128))
+    assert native.fits(query, make_source("int2", [20, 3], 2, 128))
+    assert native.fits(query, head_major(make_source("int2", [20, 3], 2, 128)))
+    assert native.kernel_format(int_source(4).key) == "int4" and native.kernel_format(int_source(2).key) == "int2"
+    assert native.fits(query, int_source(4)) and native.fits(query, int_source(2))
+    assert not native.fits(query, int_source(8))  # INT8: not compiled
+    assert not native.fits(query, int_source(4, group_size=64))  # one scale per 32 channels only
+    assert not native.fits(query, int_source(4, group_size=None))
+    assert not native.fits(query, int_source(4, scale_dtype="float32"))
+    assert not native.fits(query, int_source(2, kivi_keys=True))  # KIVI keys: scales per channel
+    query64 = torch.zeros(2, 8, 1, 64, dtype=torch.bfloat16)
+    assert not native.fits(query64, make_source("int", [20, 3], 2, 64))
+    mixed = make_source("int", [20, 3], 2, 128)
+    mixed.value = make_source("int2", [20, 3], 2, 128).value
+    assert not native.fits(query, mixed)  # keys and values of one format
 
 
 def test_cpu_steps_never_plan_the_native_kernel():
@@ -98,10 +130,11 @@ NVFP4_SHAPES = [(1, 64, 4), (4, 128, 2), (8, 128, 1), (4, 64, 2), (8, 64, 1), (1
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,group,head_dim,H", [("nvfp4", *shape) for shape in NVFP4_SHAPES]
-                         + [("ternary", *shape) for shape in NVFP4_SHAPES if shape[1] == 128])
+                         + [(fmt, *shape) for fmt in ("ternary", "int", "int2") for shape in NVFP4_SHAPES
+                            if shape[1] == 128])
 def test_cuda_native_kernel_matches_reference(fmt, group, head_dim, H):
-    """Every GQA group (1, 2, 4, 8) and head dim (64, 128; ternary: 128), with 1 to 8 KV heads;
-    holes, the recent buffer, empty rows, extents, and the other format's pool beside it."""
+    """Every GQA group (1, 2, 4, 8) and head dim (64, 128; ternary, INT4 ("int") and INT2: 128), with
+    1 to 8 KV heads; holes, the recent buffer, empty rows, extents, and another format's pool beside it."""
     lengths = [1, 0, 3000, 700, 16, 4097, 33]
     src = make_source(fmt, lengths, H, head_dim, device="cuda")
     query = torch.randn(len(lengths), H * group, 1, head_dim, device="cuda").to(torch.bfloat16)
@@ -113,7 +146,7 @@ def test_cuda_native_kernel_matches_reference(fmt, group, head_dim, H):
     holes = make_source(fmt, lengths, H, head_dim, holes=True, seed=5, device="cuda")
     buffer = make_source("dense", [5, 0, 15, 1, 0, 15, 3], H, head_dim, bs=15, seed=9, device="cuda")
     check_native(query, [holes, buffer])
-    other = "ternary" if fmt == "nvfp4" else "nvfp4"  # ThinKV's store holds both
+    other = "nvfp4" if fmt == "ternary" else "ternary"  # ThinKV's stores: ternary beside NVFP4 or INT4
     check_native(query, [src, make_source(other, lengths, H, head_dim, holes=True, seed=4, device="cuda"), buffer])
     check_extent(query, [src, buffer], lengths, backend="cuda")
     moved = head_major(holes)  # each head's rows together
@@ -138,7 +171,7 @@ def test_the_buffer_beside_the_cuda_kernel_in_the_merge_or_in_its_own_launch(mos
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "ternary"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "ternary", "int", "int2"])
 @pytest.mark.parametrize("dtype,magnitude", [(torch.float16, 1.0), (torch.bfloat16, 1.0e5), (torch.bfloat16, 1e-3)])
 def test_cuda_native_kernel_keeps_any_query(fmt, dtype, magnitude):
     lengths = [300, 0, 1000]
@@ -151,7 +184,7 @@ def test_cuda_native_kernel_keeps_any_query(fmt, dtype, magnitude):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "ternary"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "ternary", "int", "int2"])
 def test_cuda_native_kernel_replays_in_a_graph(fmt):
     lengths = [500, 20, 1200]
     src = make_source(fmt, lengths, 2, 128, device="cuda")
@@ -166,15 +199,16 @@ def test_cuda_native_kernel_replays_in_a_graph(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,group,other_fmt", [(128, 4, "ternary"), (64, 8, "nvfp4")])
-def test_cuda_native_kernel_reads_regions_of_one_pool_in_one_launch(head_dim, group, other_fmt):
+@pytest.mark.parametrize("fmt,head_dim,group,other_fmt", [("nvfp4", 128, 4, "ternary"), ("nvfp4", 64, 8, "nvfp4"),
+                                                          ("int", 128, 4, "ternary")])
+def test_cuda_native_kernel_reads_regions_of_one_pool_in_one_launch(fmt, head_dim, group, other_fmt):
     """The regions' tables split the pool's rows at different columns (empty regions and rows
     included), with another pool's source between them (ThinKV's ternary T pool beside its
-    NVFP4 R and E regions at head dim 128), so a launch's partial results are not contiguous;
+    NVFP4 or INT4 R and E regions at head dim 128), so a launch's partial results are not contiguous;
     five regions take two launches. Extents bound each region, and one that cuts a row's last
     valid tokens drops them (enough of them to move the output well past the tolerance)."""
     lengths = [1000, 0, 37, 300, 1]
-    src = make_source("nvfp4", lengths, 2, head_dim, holes=True, seed=7, device="cuda")
+    src = make_source(fmt, lengths, 2, head_dim, holes=True, seed=7, device="cuda")
     other = make_source(other_fmt, [200, 5, 0, 90, 64], 2, head_dim, seed=8, device="cuda")
     query = torch.randn(len(lengths), 2 * group, 1, head_dim, device="cuda").to(torch.bfloat16)
     buffer = make_source("dense", [3, 0, 15, 1, 0], 2, head_dim, bs=15, seed=9, device="cuda")

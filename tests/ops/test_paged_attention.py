@@ -59,9 +59,10 @@ def operand(fmt, x, row_of, B, role, g):
         hs = (torch.rand(B, H, generator=g) * 4 + 2) * UNIT[fmt]
         p = registry.build("quantizer", fmt).quantize(x, head_scale=hs[row_of], backend="torch")
         return KVOperand(fmt, p.codes, scale=getattr(p, "block_scales", None), head_scale=hs)
-    if fmt == "int" or role == "value":
-        p = registry.build("quantizer", {"name": "int", "bits": 4, "group_size": 32}).quantize(x, backend="torch")
-        return KVOperand("int", p.codes, p.scale, p.minimum, bits=4)
+    if fmt in ("int", "int2") or role == "value":  # "int": INT4, "int2": INT2, both in groups of 32 channels
+        bits = 2 if fmt == "int2" else 4
+        p = registry.build("quantizer", {"name": "int", "bits": bits, "group_size": 32}).quantize(x, backend="torch")
+        return KVOperand("int", p.codes, p.scale, p.minimum, bits=bits)
     p = registry.build("quantizer", {"name": "int", "bits": 2, "layout": "kivi", "token_group": 16}).quantize(
         x, role="key", backend="torch")
     return KVOperand("int_channel", p.codes, p.scale, p.minimum, bits=2, token_group=16)

@@ -1,12 +1,15 @@
-"""The CUDA decode kernel of NVFP4 and ternary pools (``native_packed.cu``), built on first use, and
-when it runs.
+"""The CUDA decode kernel of NVFP4, ternary, INT4 and INT2 pools (``native_packed.cu``), built on first
+use, and when it runs.
 
 The Triton partial kernel decodes every format; for NVFP4 keys and values it spends most of
 its instructions moving decoded values into the tensor cores' operand layout, and reads
 memory at a third of copy bandwidth. The CUDA kernel stages each tile's codes in shared
 memory and reads each thread's mma fragment straight from them (see the notes at the top of
 the ``.cu`` file). Ternary pools (ThinKV's T class) share its code path: both formats carry an
-E4M3 scale per 16 channels, and only the decoding of a code word differs. It writes partial
+E4M3 scale per 16 channels, and only the decoding of a code word differs. INT4 and INT2 pools in
+groups of 32 channels with fp16 scales (the ``int`` quantizer's ``group_size=32``, what ``thinkv-int``
+keeps) take it too: a code becomes ``code x scale + minimum`` in fp16 by a mask, an OR, a subtraction
+and a fused multiply-add per pair of values. It writes partial
 results in the Triton merge kernel's layout, so the two kernels share one merge.
 
 It is built with ``torch.utils.cpp_extension.load_inline`` the first time a step could use
@@ -34,11 +37,12 @@ log = logging.getLogger("kvcompose")
 
 #: ``KVCOMPOSE_NATIVE_ATTENTION=0`` keeps every step on the Triton kernel.
 ENABLED = os.environ.get("KVCOMPOSE_NATIVE_ATTENTION", "1") != "0"
-#: Formats the CUDA kernel decodes (keys and values alike), its ``fmt`` codes, and the head dims
-#: each is compiled for (a thread reads a whole code word of every value row: 16 ternary codes
-#: are 16 channels, an eighth of 128).
-FORMATS = {"nvfp4": 0, "ternary": 1}
-FORMAT_HEAD_DIMS = {"nvfp4": (64, 128), "ternary": (128,)}
+#: Formats the CUDA kernel decodes (keys and values alike; :func:`kernel_format` names an operand's),
+#: its ``fmt`` codes, and the head dims each is compiled for (a thread reads a whole code word of
+#: every value row: 16 ternary or INT2 codes are 16 channels, an eighth of 128).
+FORMATS = {"nvfp4": 0, "ternary": 1, "int4": 2, "int2": 3}
+FORMAT_HEAD_DIMS = {"nvfp4": (64, 128), "ternary": (128,), "int4": (128,), "int2": (128,)}
+INT_GROUP = 32  # channels per fp16 scale and minimum of the INT formats the kernel reads
 #: Head dims where ``backend=None`` picks the CUDA kernel: measured on an H200
 #: (``benchmarks/results/attention_gpu.json``, run of 2026-11-29), it beat the Triton kernel at
 #: 128 (1.18-1.66x on NVFP4 pools, 1.25-1.48x on ThinKV's store) and at 64 on an NVFP4 pool
@@ -49,19 +53,36 @@ SOURCE = Path(__file__).with_name("native_packed.cu")
 _STATE: dict = {}  # device index -> (module or None, reason)
 
 
+def kernel_format(op) -> str | None:
+    """The kernel's name of an operand's format (:data:`FORMATS`), or None where it does not read it:
+    ``nvfp4``, ``ternary``, and ``int4`` / ``int2`` for INT operands grouped per token in groups of
+    ``INT_GROUP`` channels with fp16 scales and minimums."""
+    if op.fmt in ("nvfp4", "ternary"):
+        return op.fmt
+    if op.fmt == "int" and op.bits in (2, 4) and op.scale.dtype == op.minimum.dtype == torch.float16 \
+            and op.scale.shape == op.minimum.shape and op.scale.shape[-1] * INT_GROUP == op.head_dim():
+        return f"int{op.bits}"
+    return None
+
+
 def fits(query: torch.Tensor, src: PagedSource) -> bool:
     """Whether the CUDA kernel takes this source and query: NVFP4 keys and values (head dim 64
-    or 128) or ternary ones (head dim 128), a bf16 or fp16 query, at most ``MAX_GROUP`` query
-    heads per KV head."""
+    or 128), ternary, INT4 or INT2 ones (head dim 128; INT: groups of 32 channels, fp16 scales),
+    a bf16 or fp16 query, at most ``MAX_GROUP`` query heads per KV head."""
     H = src.key.codes.shape[1]
-    fmt = src.key.fmt
-    return (fmt in FORMATS and src.value.fmt == fmt and query.shape[-1] in FORMAT_HEAD_DIMS[fmt]
+    fmt = kernel_format(src.key)
+    return (fmt is not None and kernel_format(src.value) == fmt and query.shape[-1] in FORMAT_HEAD_DIMS[fmt]
             and query.dtype in (torch.bfloat16, torch.float16) and query.shape[1] // H <= MAX_GROUP
             and src.table.dtype == torch.int64 and _addressable(src)
             and src.block_size >= 4 and src.block_size & (src.block_size - 1) == 0  # the kernel shifts by it
             and src.valid.data_ptr() % 4 == 0  # validity is copied four slots at once
             and max(src.key.codes.numel(), src.value.codes.numel()) < 2 ** 32  # the kernel's 32-bit offsets
-            and all(t.data_ptr() % 16 == 0 for t in (src.key.codes, src.key.scale, src.value.codes, src.value.scale)))
+            and all(t.data_ptr() % 16 == 0 for op in (src.key, src.value) for t in _pool_tensors(op)))
+
+
+def _pool_tensors(op) -> list[torch.Tensor]:
+    """The tensors of an operand the kernel copies per slot: codes, scales, and the INT formats' minimums."""
+    return [op.codes, op.scale] + ([op.minimum] if op.fmt == "int" else [])
 
 
 def _addressable(src: PagedSource) -> bool:
@@ -80,14 +101,14 @@ def module(device: torch.device):
         _STATE[index] = _build(index)
         built, reason = _STATE[index]
         if built is None:
-            log.info("kvcompose: NVFP4 and ternary decode attention runs the Triton kernel (%s)", reason)
+            log.info("kvcompose: NVFP4, ternary, INT4 and INT2 decode attention runs the Triton kernel (%s)", reason)
         else:
-            log.info("kvcompose: NVFP4 and ternary decode attention runs the CUDA kernel (%s)", reason)
+            log.info("kvcompose: NVFP4, ternary, INT4 and INT2 decode attention runs the CUDA kernel (%s)", reason)
     return _STATE[index][0]
 
 
 def native_status(device: torch.device | None = None) -> dict:
-    """Which kernel decodes NVFP4 and ternary pools on ``device`` and why: ``{"kernel": "cuda" | "triton",
+    """Which kernel decodes NVFP4, ternary, INT4 and INT2 pools on ``device`` and why: ``{"kernel": "cuda" | "triton",
     "reason": ...}``. Builds the extension if it was not tried yet."""
     if device is None or device.type != "cuda":
         if not torch.cuda.is_available():
@@ -128,9 +149,9 @@ def _build(index: int):
 _DECLARATIONS = """
 void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<at::Tensor> tables, at::Tensor valid,
                     at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
-                    std::vector<at::Tensor> extents, int64_t block_size, std::vector<int64_t> per_split,
-                    std::vector<int64_t> n_splits, std::vector<int64_t> first, int64_t total, double qk_scale,
-                    int64_t fmt, int64_t head_rows);
+                    at::Tensor km, at::Tensor vm, std::vector<at::Tensor> extents, int64_t block_size,
+                    std::vector<int64_t> per_split, std::vector<int64_t> n_splits, std::vector<int64_t> first,
+                    int64_t total, double qk_scale, int64_t fmt, int64_t head_rows);
 int64_t packed_resident(int64_t D, bool bf16, int64_t fmt);
 """
 #: Regions one launch reads at most (``MAX_REGIONS`` of the ``.cu`` file).
@@ -145,12 +166,13 @@ def resident_programs(device_index: int, head_dim: int, bf16: bool, fmt: str = "
 
 def pool_of(src: PagedSource) -> tuple:
     """What sources must share to be read by one launch: their pool's tensors (codes, scales,
-    second-level scales, validity) and block size. Regions of one pool differ only in their
-    block tables and extents."""
+    minimums, second-level scales, validity) and block size. Regions of one pool differ only in
+    their block tables and extents."""
     key, value = src.key, src.value
-    tensors = (src.valid, key.codes, key.scale, key.head_scale, value.codes, value.scale, value.head_scale)
-    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) for t in tensors) + (src.block_size,
-                                                                                                  key.fmt)
+    tensors = (src.valid, key.codes, key.scale, key.minimum, key.head_scale, value.codes, value.scale, value.minimum,
+               value.head_scale)
+    return tuple(None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+                 for t in tensors) + (src.block_size, kernel_format(key))
 
 
 def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int, int, int]], part: torch.Tensor,
@@ -161,10 +183,19 @@ def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int,
     sources, firsts, per_split, n_splits = zip(*regions)
     src = sources[0]
     key, value = src.key, src.value
+    fmt = kernel_format(key)
     no_extent = device_constant((), q.device, torch.int64)  # empty: the kernel bounds that region by its table
+    none, no_scale = (device_constant((), q.device, t) for t in (torch.uint8, torch.float32))  # what it lacks
+    integer = fmt.startswith("int")  # fp16 scales and minimums, read as bytes; no second-level scales
+
+    def scales(op) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if integer:
+            return op.scale.view(torch.uint8), no_scale, op.minimum.view(torch.uint8)
+        return op.scale, op.head_scale.float().contiguous(), none
+
+    (ks, khs, km), (vs, vhs, vm) = scales(key), scales(value)
     built.packed_partial(q, part, lse, [s.table.contiguous() for s in sources], src.valid.view(torch.uint8),
-                        key.codes, key.scale, key.head_scale.float().contiguous(), value.codes, value.scale,
-                        value.head_scale.float().contiguous(), [s.extent if s.extent is not None else no_extent
-                                                                for s in sources],
+                        key.codes, ks, khs, value.codes, vs, vhs, km, vm,
+                        [s.extent if s.extent is not None else no_extent for s in sources],
                         src.block_size, list(per_split), list(n_splits), list(firsts), total, qk_scale,
-                        FORMATS[key.fmt], row_layout(src))
+                        FORMATS[fmt], row_layout(src))

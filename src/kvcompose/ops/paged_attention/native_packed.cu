@@ -1,4 +1,5 @@
-// Paged decode attention over an NVFP4 or ternary pool, one warp per (row, KV head, split), for sm_89+.
+// Paged decode attention over an NVFP4, ternary, INT4 or INT2 pool, one warp per (row, KV head, split), for
+// sm_89+.
 //
 // Why a hand-written kernel: decoding 4-bit codes costs instructions, and a step of decode
 // attention has a budget of about one warp instruction per five bytes read at memory speed.
@@ -23,6 +24,11 @@
 // * Both formats share everything else: an E4M3 scale per 16 channels, and a 32-bit code word
 //   (8 NVFP4 or 16 ternary codes) decodes into fp16 pairs whose channels follow one rule
 //   (word_channel), so the query gather and the output scatter do not depend on the format.
+// * INT4 and INT2 codes (asymmetric, an fp16 scale and minimum per 32 channels of a token) are
+//   OR-ed into the mantissa of 1024 in fp16, which gives 1024 + code exactly; one subtraction and
+//   one fused multiply-add per pair of values give code x scale + minimum, rounded once. They take
+//   a code from each half of a word at once, so their keys' and values' channel orders differ from
+//   word_channel's (key_channel, value_channel).
 //
 // The program writes one partial result (output and log2-sum-exp) in the layout the Triton
 // merge kernel reads, so the recent buffer and other sources join in the same merge.
@@ -37,16 +43,22 @@ namespace {
 
 constexpr int TILE = 32;    // tokens per step of a warp's loop: one per lane
 constexpr int STAGES = 2;  // tiles in a program's shared-memory ring (see Stage)
-constexpr int NVFP4 = 0, TERNARY = 1;  // code formats (the host's `fmt`)
+constexpr int NVFP4 = 0, TERNARY = 1, INT4 = 2, INT2 = 3;  // code formats (the host's `fmt`)
+constexpr int INT_GROUP = 32;  // channels per fp16 scale and minimum of the INT formats
 
 template <int F, int D>
 struct Shape {
-  static constexpr int PER_BYTE = F == TERNARY ? 4 : 2;  // codes per byte
+  static constexpr bool INT = F == INT4 || F == INT2;  // asymmetric INT-k: code x scale + minimum per group
+  static constexpr int PER_BYTE = F == TERNARY || F == INT2 ? 4 : 2;  // codes per byte
   static constexpr int ROW = D / PER_BYTE;  // code bytes per (token, head)
   static constexpr int CHUNKS = ROW / 16;   // 16-byte chunks of a code row
   static constexpr int REGS = 2 * PER_BYTE;  // fp16 pairs a 32-bit code word decodes into
   static constexpr int WORD_CHANNELS = 4 * PER_BYTE;
   static constexpr int BLOCKS = D / 16;     // E4M3 block scales per (token, head)
+  // scale bytes per (token, head): E4M3 per 16 channels, or fp16 per INT group (the minimums likewise)
+  static constexpr int SCALE_ROW = INT ? 2 * D / INT_GROUP : D / 16;
+  // what decoding leaves out of the values: 2^6 for the E4M3 trick (folded into the key and output scales)
+  static constexpr float UNSCALED = INT ? 1.f : 64.f;
   static constexpr int KWORDS = ROW / 16;   // 32-bit code words of a thread's key quarter
   static constexpr int KSTEPS = D / 16;     // k-steps of the key product
   static constexpr int VWORDS = ROW / 32;   // code words of a thread's value eighth
@@ -58,6 +70,23 @@ struct Shape {
 // groups of four covering 8 channels (fp4_word's order; ternary_word keeps it).
 __device__ __forceinline__ int word_channel(int r, int e) {
   return 8 * (r >> 2) + (r & 1) * 4 + ((r >> 1) & 1) + 2 * e;
+}
+
+// Channel of element e of key register r (the query gather's order): word_channel's, except for the
+// INT formats, whose decode takes code r of each half of a word: channels (r, r + REGS) of the word.
+template <int F, int D>
+__device__ __forceinline__ int key_channel(int r, int e) {
+  using S = Shape<F, D>;
+  if constexpr (S::INT) return S::WORD_CHANNELS * (r / S::REGS) + r % S::REGS + S::REGS * e;
+  return word_channel(r, e);
+}
+
+// Channel of the value product's m-tile r, row gid (e = 0) or gid + 8 (e = 1), within a lane's eighth
+// (the output scatter's order): word_channel's, or for the INT formats register 2 r + e holds channel 2 r + e.
+template <int F, int D>
+__device__ __forceinline__ int value_channel(int r, int e) {
+  if constexpr (Shape<F, D>::INT) return 2 * r + e;
+  return word_channel(r, e);
 }
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -125,10 +154,35 @@ __device__ __forceinline__ void ternary_word(uint32_t w, uint32_t s2, uint32_t* 
   for (int i = 0; i < 4; ++i) e4m3x4_scaled(ternary_bytes(w, i), s2, out + 2 * i);
 }
 
-// One code word of format F decoded into Shape::REGS fp16 pairs (word_channel's order).
+// INT-k codes in bits [0, k) of each half of x (k = 8 / codes per byte) as the fp16 pair
+// code x scale + minimum (s2, m2: fp16 pairs): OR-ing a code into the mantissa of 1024 gives
+// 1024 + code exactly, the subtraction leaves the code, and the fused multiply-add rounds once
+// (as the reference's fp32 decode rounded to fp16 does).
 template <int F>
-__device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t* out) {
+__device__ __forceinline__ uint32_t int_pair(uint32_t x, uint32_t s2, uint32_t m2) {
+  constexpr uint32_t MASK = F == INT4 ? 0x000F000Fu : 0x00030003u;
+  const uint32_t biased = (x & MASK) | 0x64006400u;
+  uint32_t r;
+  asm("{\n.reg .b32 c;\nsub.rn.f16x2 c, %1, %2;\nfma.rn.f16x2 %0, c, %3, %4;\n}\n"
+      : "=r"(r) : "r"(biased), "r"(0x64006400u), "r"(s2), "r"(m2));
+  return r;
+}
+
+// One INT-k code word of one token: out[r] = channels (r, r + REGS) of the word (key_channel's order).
+template <int F, int REGS>
+__device__ __forceinline__ void int_word(uint32_t w, uint32_t s2, uint32_t m2, uint32_t* out) {
+  constexpr int BITS = F == INT4 ? 4 : 2;
+#pragma unroll
+  for (int r = 0; r < REGS; ++r) out[r] = int_pair<F>(w >> (BITS * r), s2, m2);
+}
+
+// One code word of format F decoded into Shape::REGS fp16 pairs (key_channel's order); m2: the
+// INT formats' minimum pair (unused by the others).
+template <int F>
+__device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t m2, uint32_t* out) {
   if constexpr (F == TERNARY) ternary_word(w, s2, out);
+  else if constexpr (F == INT4) int_word<F, 4>(w, s2, m2, out);
+  else if constexpr (F == INT2) int_word<F, 8>(w, s2, m2, out);
   else fp4_word(w, s2, out);
 }
 
@@ -139,8 +193,18 @@ __device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t* o
 // (after the table lookup for ternary), which costs a quarter (NVFP4) or half (ternary) of the
 // byte permutes that interleaving the decoded pairs would.
 template <int F>
-__device__ __forceinline__ void decode_token_pair(uint32_t w0, uint32_t w1, uint32_t s2, uint32_t* out) {
-  if constexpr (F == TERNARY) {
+__device__ __forceinline__ void decode_token_pair(uint32_t w0, uint32_t w1, uint32_t s2, uint32_t m2, uint32_t* out) {
+  if constexpr (F == INT4 || F == INT2) {
+    // the first half-words of both tokens side by side, then the second: each half of x0 (x1) holds
+    // one token's codes of the word's first (second) half, so one shift and mask give a channel of both
+    constexpr int BITS = F == INT4 ? 4 : 2, HALF = 8 / BITS * 2;  // codes per half-word
+    const uint32_t x0 = __byte_perm(w0, w1, 0x5410), x1 = __byte_perm(w0, w1, 0x7632);
+#pragma unroll
+    for (int c = 0; c < HALF; ++c) {
+      out[c] = int_pair<F>(x0 >> (BITS * c), s2, m2);
+      out[HALF + c] = int_pair<F>(x1 >> (BITS * c), s2, m2);
+    }
+  } else if constexpr (F == TERNARY) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t e0 = ternary_bytes(w0, i), e1 = ternary_bytes(w1, i);
@@ -204,6 +268,7 @@ struct Tile {
   uint32_t kscale[4];
   uint32_t v[8][Shape<F, D>::VWORDS];
   uint32_t vscale[8];
+  uint32_t kmin[4], vmin[8];  // the INT formats' fp16 minimums (the scales then: fp16 too)
   bool lane_ok;
 };
 
@@ -221,14 +286,16 @@ struct Pools {
   const uint8_t* __restrict__ ks;
   const uint8_t* __restrict__ vc;
   const uint8_t* __restrict__ vs;
-  uint32_t code_stride, scale_stride;  // bytes from a slot to the next: H x row bytes, H x (D / 16) (head-major: one row)
+  const uint8_t* __restrict__ km;  // the INT formats' minimums (laid out as their scales)
+  const uint8_t* __restrict__ vm;
+  uint32_t code_stride, scale_stride;  // bytes from a slot to the next: H x row bytes, H x scale row (head-major: one row)
   uint32_t code_at, scale_at;          // the head's offsets (head-major: its first row)
 };
 
 // One stage of a program's shared-memory ring: a tile as it lies in the pools, copied by cp.async
 // while the tile before it is computed (the copies hold no registers). Per operand the tile's
-// code rows [TILE][D / 2], then per operand its block scales [TILE][D / 16], then TILE validity
-// bytes. On an H200 (16 x 8K, 64 x 4K, 256 x 1K, head dim 128; benchmarks/results/attention_gpu.json):
+// code rows [TILE][row bytes], then per operand its scales [TILE][SCALE_ROW] (INT formats: then
+// per operand its minimums, likewise), then TILE validity bytes. On an H200 (16 x 8K, 64 x 4K, 256 x 1K, head dim 128; benchmarks/results/attention_gpu.json):
 // 54-58% of the copy bandwidth on slot-major pools, against 42-46% when the next tile waited in
 // registers. What held it there was the reads themselves (benchmarks/tools/probe_native_gpu.py): this
 // ring of copies with no products, softmax or decode ran no faster than the whole kernel, and neither
@@ -242,8 +309,10 @@ struct Pools {
 template <int F, int D>
 struct Stage {
   static constexpr int CODES = TILE * Shape<F, D>::ROW;  // code bytes of the tile, per operand
-  static constexpr int SCALES = TILE * D / 16;  // block-scale bytes of the tile, per operand
-  static constexpr int K = 0, V = CODES, KS = 2 * CODES, VS = KS + SCALES, VALID = VS + SCALES;
+  static constexpr int SCALES = TILE * Shape<F, D>::SCALE_ROW;  // scale bytes of the tile, per operand
+  static constexpr int MINS = Shape<F, D>::INT ? SCALES : 0;    // minimum bytes, likewise
+  static constexpr int K = 0, V = CODES, KS = 2 * CODES, VS = KS + SCALES, KM = VS + SCALES, VM = KM + MINS;
+  static constexpr int VALID = VM + MINS;
   static constexpr int BYTES = VALID + TILE;
 };
 
@@ -287,9 +356,14 @@ __device__ __forceinline__ void issue_tile(uint32_t stage, int slot, const Pools
     copy_async<16>(stage + St::K + copy_at + 512 * i, p.kc + from, ok);  // chunk i sits 32 chunks on
     copy_async<16>(stage + St::V + copy_at + 512 * i, p.vc + from, ok);
   }
+  constexpr int SR = Shape<F, D>::SCALE_ROW;
   const uint32_t at = (uint32_t)max(slot, 0) * p.scale_stride + p.scale_at;
-  copy_async<D / 16>(stage + St::KS + (D / 16) * lane, p.ks + at, slot >= 0);
-  copy_async<D / 16>(stage + St::VS + (D / 16) * lane, p.vs + at, slot >= 0);
+  copy_async<SR>(stage + St::KS + SR * lane, p.ks + at, slot >= 0);
+  copy_async<SR>(stage + St::VS + SR * lane, p.vs + at, slot >= 0);
+  if constexpr (Shape<F, D>::INT) {
+    copy_async<SR>(stage + St::KM + SR * lane, p.km + at, slot >= 0);
+    copy_async<SR>(stage + St::VM + SR * lane, p.vm + at, slot >= 0);
+  }
   if ((lane & 3) == 0) copy_async<4>(stage + St::VALID + lane, p.valid + max(slot, 0), slot >= 0);
 }
 
@@ -348,14 +422,26 @@ __device__ __forceinline__ void read_tile(Tile<F, D>& t, uint32_t stage, const L
   for (int kt = 0; kt < 4; ++kt) {
     const int tok = key_token(kt, gid);
     load_shared<S::KWORDS>(stage + St::K + at.k[kt & 1] + 16 * S::ROW * (kt >> 1), t.k[kt]);
-    const uint32_t at = stage + St::KS + (D / 16) * tok + (D / 64) * tig;
-    t.kscale[kt] = D == 128 ? load_shared_u16(at) : load_shared_u8(at);
+    if constexpr (S::INT) {  // the fp16 scale and minimum of the group of the lane's key quarter
+      const uint32_t g = S::SCALE_ROW * tok + 2 * ((D / 4) * tig / INT_GROUP);
+      t.kscale[kt] = load_shared_u16(stage + St::KS + g);
+      t.kmin[kt] = load_shared_u16(stage + St::KM + g);
+    } else {  // the E4M3 block scales of the lane's key quarter
+      const uint32_t at = stage + St::KS + (D / 16) * tok + (D / 64) * tig;
+      t.kscale[kt] = D == 128 ? load_shared_u16(at) : load_shared_u8(at);
+    }
   }
 #pragma unroll
   for (int vt = 0; vt < 8; ++vt) {
     const int tok = value_token(vt, tig);
     load_shared<S::VWORDS>(stage + St::V + at.v[vt & 3] + 16 * S::ROW * (vt >> 2), t.v[vt]);
-    t.vscale[vt] = load_shared_u8(stage + St::VS + (D / 16) * tok + (D * gid) / 128);
+    if constexpr (S::INT) {  // the group of the lane's value eighth
+      const uint32_t g = S::SCALE_ROW * tok + 2 * ((D / 8) * gid / INT_GROUP);
+      t.vscale[vt] = load_shared_u16(stage + St::VS + g);
+      t.vmin[vt] = load_shared_u16(stage + St::VM + g);
+    } else {
+      t.vscale[vt] = load_shared_u8(stage + St::VS + (D / 16) * tok + (D * gid) / 128);
+    }
   }
   t.lane_ok = live && load_shared_u8(stage + St::VALID + lane) != 0;
 }
@@ -397,12 +483,22 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
   for (int j = 0; j < 2; ++j) {
     s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
     uint32_t a0[2 * S::KSTEPS], a1[2 * S::KSTEPS];
-    const uint32_t p0 = scale_pair(t.kscale[2 * j]), p1 = scale_pair(t.kscale[2 * j + 1]);
+    if constexpr (S::INT) {  // one group's fp16 scale and minimum, twice, for every word of the quarter
+      const uint32_t s0 = t.kscale[2 * j] * 0x10001u, s1 = t.kscale[2 * j + 1] * 0x10001u;
+      const uint32_t m0 = t.kmin[2 * j] * 0x10001u, m1 = t.kmin[2 * j + 1] * 0x10001u;
 #pragma unroll
-    for (int kw = 0; kw < S::KWORDS; ++kw) {
-      const uint32_t sel = kw * S::WORD_CHANNELS < 16 ? 0x1010 : 0x3232;  // the word's block scale, twice
-      decode_word<F>(t.k[2 * j][kw], __byte_perm(p0, 0, sel), a0 + S::REGS * kw);
-      decode_word<F>(t.k[2 * j + 1][kw], __byte_perm(p1, 0, sel), a1 + S::REGS * kw);
+      for (int kw = 0; kw < S::KWORDS; ++kw) {
+        decode_word<F>(t.k[2 * j][kw], s0, m0, a0 + S::REGS * kw);
+        decode_word<F>(t.k[2 * j + 1][kw], s1, m1, a1 + S::REGS * kw);
+      }
+    } else {
+      const uint32_t p0 = scale_pair(t.kscale[2 * j]), p1 = scale_pair(t.kscale[2 * j + 1]);
+#pragma unroll
+      for (int kw = 0; kw < S::KWORDS; ++kw) {
+        const uint32_t sel = kw * S::WORD_CHANNELS < 16 ? 0x1010 : 0x3232;  // the word's block scale, twice
+        decode_word<F>(t.k[2 * j][kw], __byte_perm(p0, 0, sel), 0u, a0 + S::REGS * kw);
+        decode_word<F>(t.k[2 * j + 1][kw], __byte_perm(p1, 0, sel), 0u, a1 + S::REGS * kw);
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < S::KSTEPS; ++kk)
@@ -451,12 +547,14 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const int v0 = 4 * j + 2 * p, v1 = v0 + 1;
-      const uint32_t s0 = (value_ok >> value_token(v0, 0)) & 1u ? t.vscale[v0] : 0u;
-      const uint32_t s1 = (value_ok >> value_token(v1, 0)) & 1u ? t.vscale[v1] : 0u;
-      const uint32_t sc = scale_pair(s0 | (s1 << 8));
+      const bool ok0 = (value_ok >> value_token(v0, 0)) & 1u, ok1 = (value_ok >> value_token(v1, 0)) & 1u;
+      const uint32_t s0 = ok0 ? t.vscale[v0] : 0u, s1 = ok1 ? t.vscale[v1] : 0u;
+      // the pair's two scales (INT: and minimums) as one fp16 pair
+      const uint32_t sc = S::INT ? s0 | (s1 << 16) : scale_pair(s0 | (s1 << 8));
+      const uint32_t mc = S::INT ? (ok0 ? t.vmin[v0] : 0u) | ((ok1 ? t.vmin[v1] : 0u) << 16) : 0u;
 #pragma unroll
       for (int vw = 0; vw < S::VWORDS; ++vw)
-        decode_token_pair<F>(t.v[v0][vw], t.v[v1][vw], sc, x[p] + 2 * S::REGS * vw);
+        decode_token_pair<F>(t.v[v0][vw], t.v[v1][vw], sc, mc, x[p] + 2 * S::REGS * vw);
     }
 #pragma unroll
     for (int r = 0; r < S::VTILES; ++r)
@@ -479,7 +577,8 @@ template <int F, int D, typename T>
 __global__ void __launch_bounds__(32) packed_partial_kernel(
     const T* __restrict__ q, float* __restrict__ part, float* __restrict__ lse, const uint8_t* __restrict__ valid,
     const uint8_t* __restrict__ kc, const uint8_t* __restrict__ ks, const float* __restrict__ khs,
-    const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs, const float* __restrict__ vhs, const Regions R,
+    const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs, const float* __restrict__ vhs,
+    const uint8_t* __restrict__ km, const uint8_t* __restrict__ vm, const Regions R,
     int H, int G, int bs_shift, int total, float qk_scale, int head_rows) {
   using S = Shape<F, D>;
   const int row = blockIdx.x / H, head = blockIdx.x % H;
@@ -516,7 +615,7 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int rho = 2 * kk + h;
-        const int ch = (D / 4) * tig + word_channel(rho, e);
+        const int ch = (D / 4) * tig + key_channel<F, D>(rho, e);
         const float x = gid < G ? to_float(qrow[ch]) : 0.f;
         qv[kk][h][e] = x;
         amax = fmaxf(amax, fabsf(x));
@@ -530,7 +629,8 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
   for (int kk = 0; kk < S::KSTEPS; ++kk)
 #pragma unroll
     for (int h = 0; h < 2; ++h) qf[kk][h] = half2_bits(qv[kk][h][0] * shift, qv[kk][h][1] * shift);
-  const float key_scale = qk_scale * khs[row * H + head] * 64.f / shift;
+  // the INT formats have no second-level scales (their pointers are null)
+  const float key_scale = qk_scale * (S::INT ? 1.f : khs[row * H + head]) * S::UNSCALED / shift;
 
   State<D> st;
   st.m[0] = st.m[1] = -INFINITY;
@@ -542,7 +642,8 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
   // each head's rows together: a block's slots of this head are one run of bytes)
   const uint32_t slot_rows = head_rows > 0 ? 1u : (uint32_t)H;
   const uint32_t head_at = head_rows > 0 ? (uint32_t)head * (uint32_t)head_rows : (uint32_t)head;
-  Pools p{valid, kc, ks, vc, vs, slot_rows * S::ROW, slot_rows * S::BLOCKS, head_at * S::ROW, head_at * S::BLOCKS};
+  Pools p{valid, kc, ks, vc, vs, km, vm, slot_rows * S::ROW, slot_rows * S::SCALE_ROW, head_at * S::ROW,
+          head_at * S::SCALE_ROW};
   // The ring: tile i is copied into stage i % STAGES, STAGES - 1 tiles ahead of its use; the
   // block-table entries of the tile after the one being copied are loaded one step earlier still.
   __shared__ __align__(128) uint8_t ring[STAGES][Stage<F, D>::BYTES];
@@ -572,7 +673,7 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
     attend_tile<F, D>(tile, st, qf, key_scale, gid, tig);
   }
 
-  const float vscale = vhs[row * H + head] * 64.f;
+  const float vscale = (S::INT ? 1.f : vhs[row * H + head]) * S::UNSCALED;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
 #pragma unroll
@@ -588,8 +689,8 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
     float* out = part + at * D + (D / 8) * gid;
 #pragma unroll
     for (int r = 0; r < S::VTILES; ++r) {
-      out[word_channel(r, 0)] = st.acc[r][e] * inv;
-      out[word_channel(r, 1)] = st.acc[r][e + 2] * inv;
+      out[value_channel<F, D>(r, 0)] = st.acc[r][e] * inv;
+      out[value_channel<F, D>(r, 1)] = st.acc[r][e + 2] * inv;
     }
   }
 }
@@ -597,10 +698,15 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
 template <int F, int D, typename T>
 void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::vector<at::Tensor>& tables,
             const at::Tensor& valid, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& khs,
-            const at::Tensor& vc, const at::Tensor& vs, const at::Tensor& vhs, const std::vector<at::Tensor>& extents,
+            const at::Tensor& vc, const at::Tensor& vs, const at::Tensor& vhs, const at::Tensor& km,
+            const at::Tensor& vm, const std::vector<at::Tensor>& extents,
             int64_t block_size, const std::vector<int64_t>& per_split, const std::vector<int64_t>& n_splits,
             const std::vector<int64_t>& first, int64_t total, double qk_scale, int64_t head_rows) {
   const int count = tables.size();
+  constexpr bool INT = Shape<F, D>::INT;
+  TORCH_CHECK(INT == (km.numel() > 0 && vm.numel() > 0) && INT == (khs.numel() == 0 && vhs.numel() == 0),
+              "packed partial kernel: the INT formats take minimums and no second-level scales, the others "
+              "second-level scales and no minimums");
   TORCH_CHECK(count >= 1 && count <= MAX_REGIONS, "packed partial kernel: ", count, " regions; accepted: 1 to ",
               MAX_REGIONS);
   TORCH_CHECK(extents.size() == tables.size() && per_split.size() == tables.size() &&
@@ -636,8 +742,9 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::v
   auto stream = at::cuda::getCurrentCUDAStream();
   packed_partial_kernel<F, D, T><<<grid, 32, 0, stream>>>(
       reinterpret_cast<const T*>(q.data_ptr()), part.data_ptr<float>(), lse.data_ptr<float>(),
-      valid.data_ptr<uint8_t>(), kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(), khs.data_ptr<float>(),
-      vc.data_ptr<uint8_t>(), vs.data_ptr<uint8_t>(), vhs.data_ptr<float>(), R, H, Hq / H, bs_shift,
+      valid.data_ptr<uint8_t>(), kc.data_ptr<uint8_t>(), ks.data_ptr<uint8_t>(), INT ? nullptr : khs.data_ptr<float>(),
+      vc.data_ptr<uint8_t>(), vs.data_ptr<uint8_t>(), INT ? nullptr : vhs.data_ptr<float>(),
+      INT ? km.data_ptr<uint8_t>() : nullptr, INT ? vm.data_ptr<uint8_t>() : nullptr, R, H, Hq / H, bs_shift,
       (int)total, (float)qk_scale, (int)head_rows);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -651,29 +758,38 @@ int64_t resident() {
 
 }  // namespace
 
-// fmt: 0 NVFP4 (head dims 64 and 128), 1 ternary (head dim 128: a thread's value eighth of 64
-// channels would be half a code word).
+// fmt: 0 NVFP4 (head dims 64 and 128), 1 ternary, 2 INT4 and 3 INT2 (head dim 128: a thread's value eighth
+// of 64 channels would be half a ternary or INT2 code word; the INT formats in groups of 32 channels, with fp16
+// scales and minimums in km / vm, empty for the others, and no second-level scales, khs / vhs empty).
 void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<at::Tensor> tables, at::Tensor valid,
                     at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
-                    std::vector<at::Tensor> extents, int64_t block_size, std::vector<int64_t> per_split,
-                    std::vector<int64_t> n_splits, std::vector<int64_t> first, int64_t total, double qk_scale,
-                    int64_t fmt, int64_t head_rows) {
+                    at::Tensor km, at::Tensor vm, std::vector<at::Tensor> extents, int64_t block_size,
+                    std::vector<int64_t> per_split, std::vector<int64_t> n_splits, std::vector<int64_t> first,
+                    int64_t total, double qk_scale, int64_t fmt, int64_t head_rows) {
   const int64_t D = q.size(-1);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((fmt == NVFP4 && (D == 64 || D == 128)) || (fmt == TERNARY && D == 128), "packed partial kernel: ",
-              fmt == TERNARY ? "ternary" : "nvfp4", " at head dim ", D, " not compiled; accepted: nvfp4 at 64 "
-              "and 128, ternary at 128");
-#define KVC_LAUNCH(FMT, DIM, TYPE) \
-  launch<FMT, DIM, TYPE>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, extents, block_size, per_split, \
-                         n_splits, first, total, qk_scale, head_rows)
-  if (fmt == TERNARY) { if (bf16) KVC_LAUNCH(TERNARY, 128, __nv_bfloat16); else KVC_LAUNCH(TERNARY, 128, __half); }
-  else if (D == 128) { if (bf16) KVC_LAUNCH(NVFP4, 128, __nv_bfloat16); else KVC_LAUNCH(NVFP4, 128, __half); }
-  else { if (bf16) KVC_LAUNCH(NVFP4, 64, __nv_bfloat16); else KVC_LAUNCH(NVFP4, 64, __half); }
+  TORCH_CHECK((fmt == NVFP4 && (D == 64 || D == 128)) || ((fmt == TERNARY || fmt == INT4 || fmt == INT2) && D == 128),
+              "packed partial kernel: format ", fmt, " at head dim ", D, " not compiled; accepted: nvfp4 (0) at 64 "
+              "and 128, ternary (1), int4 (2) and int2 (3) at 128");
+#define KVC_LAUNCH(FMT, DIM) \
+  if (bf16) launch<FMT, DIM, __nv_bfloat16>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, extents, \
+                                            block_size, per_split, n_splits, first, total, qk_scale, head_rows); \
+  else launch<FMT, DIM, __half>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, extents, block_size, \
+                                per_split, n_splits, first, total, qk_scale, head_rows)
+  if (fmt == TERNARY) { KVC_LAUNCH(TERNARY, 128); }
+  else if (fmt == INT4) { KVC_LAUNCH(INT4, 128); }
+  else if (fmt == INT2) { KVC_LAUNCH(INT2, 128); }
+  else if (D == 128) { KVC_LAUNCH(NVFP4, 128); }
+  else { KVC_LAUNCH(NVFP4, 64); }
 #undef KVC_LAUNCH
 }
 
 int64_t packed_resident(int64_t D, bool bf16, int64_t fmt) {
-  if (fmt == TERNARY) return bf16 ? resident<TERNARY, 128, __nv_bfloat16>() : resident<TERNARY, 128, __half>();
-  if (D == 128) return bf16 ? resident<NVFP4, 128, __nv_bfloat16>() : resident<NVFP4, 128, __half>();
-  return bf16 ? resident<NVFP4, 64, __nv_bfloat16>() : resident<NVFP4, 64, __half>();
+#define KVC_RESIDENT(FMT, DIM) (bf16 ? resident<FMT, DIM, __nv_bfloat16>() : resident<FMT, DIM, __half>())
+  if (fmt == TERNARY) return KVC_RESIDENT(TERNARY, 128);
+  if (fmt == INT4) return KVC_RESIDENT(INT4, 128);
+  if (fmt == INT2) return KVC_RESIDENT(INT2, 128);
+  if (D == 128) return KVC_RESIDENT(NVFP4, 128);
+  return KVC_RESIDENT(NVFP4, 64);
+#undef KVC_RESIDENT
 }
