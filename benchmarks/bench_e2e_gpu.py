@@ -71,6 +71,7 @@ from kvcompose.speed import (  # noqa: E402
     FLOOR_METHOD,
     add_floor,
     add_fullkv_ratios,
+    attention_kernels,
     copy_tbps,
     fit_policy,
     fit_transformers_static,
@@ -175,6 +176,8 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand the copy's 4 GiB back before any memory is measured
     print(f"copy bandwidth: {copy:.3g} TB/s", flush=True)
+    args.attention_kernels = attention_kernels(model.device)  # which decode attention kernels this run used
+    print(f"attention: {args.attention_kernels}", flush=True)
     names = [p for p in args.policies.split(",") if p]
     records = []
     for scenario in scenarios:
@@ -214,21 +217,23 @@ def save(log: ResultLog | None, records: list[dict], args, copy: float | None = 
     """Write what has run so far as this run's entry of ``--out``'s history (after every record:
     a run cut off by a time limit keeps the records it finished)."""
     if log is not None:
-        log.save(run_entry(records, args.run, log.environment["date"], args.smoke, copy))
+        log.save(run_entry(records, args.run, log.environment["date"], args.smoke, copy,
+                           getattr(args, "attention_kernels", None)))
 
 
 def run_entry(records: list[dict], run: str | None, date: str, smoke: bool = False,
-              copy: float | None = None) -> dict:
+              copy: float | None = None, kernels: str | None = None) -> dict:
     """One run's entry: its records, each labelled with the run (default: the first scenario)
     and its date; a record's ``ratio_to_baseline`` and ``ratio_to_fullkv`` are against the
     baseline and the fullkv record of the same run and scenario. ``copy_tbps``: the copy
     bandwidth this run measured, which every record's ``floor_ms_per_step`` divides by
-    (``floor_method`` says how)."""
+    (``floor_method`` says how). ``attention_kernels``: which decode attention kernels ran
+    (:func:`kvcompose.speed.attention_kernels`)."""
     run = run or records[0]["scenario"]
     for r in records:
         r.update(run=run, date=date)
     return {"benchmark": "e2e_gpu", "run": run, "smoke": smoke, "model": SMOKE_MODEL if smoke else MODEL, "copy_tbps": copy,
-            "floor_method": FLOOR_METHOD, "records": records}
+            "floor_method": FLOOR_METHOD, "attention_kernels": kernels, "records": records}
 
 
 def run_scenario(model, scenario: str, shape: dict, names: list[str], args, copy: float,

@@ -115,14 +115,16 @@ def copy_times_ms(device, nbytes: int = COPY_BYTES, warmup: int = 3, repeats: in
 
 def attention_kernels(device) -> str:
     """Which decode attention a run on ``device`` uses, in words: the torch reference on CPU; on
-    CUDA the Triton kernel, and for NVFP4 and ternary pools the CUDA kernel where it is built (else why not)."""
+    CUDA the Triton kernel, and for NVFP4, ternary, INT4 and INT2 pools the CUDA kernel where it is built and
+    takes them (else why not)."""
     device = torch.device(device)
     if device.type != "cuda":
         return "torch reference (no CUDA device)"
     from .ops.paged_attention.native import native_status
 
     status = native_status(device)
-    return f"Triton; NVFP4 and ternary pools: {'CUDA' if status['kernel'] == 'cuda' else 'Triton'} ({status['reason']})"
+    kernel = "CUDA" if status["kernel"] == "cuda" else "Triton"
+    return f"Triton; NVFP4, ternary, INT4 and INT2 pools: {kernel} ({status['reason']})"
 
 
 def copy_tbps(device, nbytes: int | None = None) -> float:

@@ -30,7 +30,7 @@ def test_a_run_is_added_to_the_history_and_earlier_runs_stay_as_they_were(bench,
            "records": [{"policy": "transformers-static", "scenario": "b", "run": "b4"},
                        {"policy": "rkv", "scenario": "b", "run": "b4"}]}
     path.write_text(json.dumps(old))
-    args = argparse.Namespace(run="b7", smoke=False)
+    args = argparse.Namespace(run="b7", smoke=False, attention_kernels="Triton; INT4 pools: CUDA")
     log = bench.open_log(str(path))
     rows = [{"policy": "transformers-static", "scenario": "b"}]
     bench.save(log, rows, args, 3.9)
@@ -42,6 +42,7 @@ def test_a_run_is_added_to_the_history_and_earlier_runs_stay_as_they_were(bench,
     new = runs[1]
     assert new["run"] == "b7" and [r["policy"] for r in new["records"]] == ["transformers-static", "rkv"]
     assert new["copy_tbps"] == 3.9 and "kv_bytes_read_per_step" in new["floor_method"]
+    assert new["attention_kernels"] == "Triton; INT4 pools: CUDA"  # which kernels the run used
     assert all(r["run"] == "b7" and r["date"] == new["environment"]["date"] for r in new["records"])
     assert {"allocator", "gpu", "versions", "git_commit", "git_dirty"} <= set(new["environment"])
 
