@@ -64,19 +64,27 @@ def quant(lines: list[str]) -> None:
                      "bit-exact"], rows) + [""]
 
 
+#: What a run's ``attention_kernels`` says when the CUDA attention kernel was switched off.
+NATIVE_OFF = "KVCOMPOSE_NATIVE_ATTENTION=0"
+
+
 def layout_labelled(runs: list[dict]) -> list[dict]:
-    """``runs`` with each kvcompose record named by what ran: the preset, and ``@layout`` where its
-    pools' rows were not in today's default order (``nvfp4@slot``). A record without
-    ``pool_layout`` ran on the layout its name asks for (``nvfp4@head``), else on slot-major pools,
-    the default when it was made. The file keeps the names as recorded."""
-    def label(r: dict) -> dict:
+    """``runs`` with each kvcompose record named by what ran: the preset, ``@layout`` where its
+    pools' rows were not in today's default order (``nvfp4@slot``), and ``/triton`` where the run
+    had the CUDA attention kernel switched off (its ``attention_kernels`` names
+    ``KVCOMPOSE_NATIVE_ATTENTION=0``). A record without ``pool_layout`` ran on the layout its name
+    asks for (``nvfp4@head``), else on slot-major pools, the default when it was made. The file
+    keeps the names as recorded."""
+    def label(r: dict, triton_only: bool) -> dict:
         if r["policy"] == BASELINE:
             return r
         name, _, asked = r["policy"].partition("@")
         layout = r.get("pool_layout") or asked or "slot"
-        return dict(r, policy=name if layout == DEFAULT_POOL_LAYOUT else f"{name}@{layout}")
+        name = name if layout == DEFAULT_POOL_LAYOUT else f"{name}@{layout}"
+        return dict(r, policy=f"{name}/triton" if triton_only else name)
 
-    return [dict(entry, records=[label(r) for r in entry["records"]]) for entry in runs]
+    return [dict(entry, records=[label(r, NATIVE_OFF in (entry.get("attention_kernels") or ""))
+                                 for r in entry["records"]]) for entry in runs]
 
 
 def shown_e2e_records(runs: list[dict]) -> list[tuple[dict, dict | None]]:
@@ -205,7 +213,8 @@ def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None
               "static-shape path replayed as CUDA graphs (`fast_generate`). Decoding speed does not depend on the "
               "weights. A policy is the preset as named; `preset@slot` ran with its pools' rows slot-major "
               "(`Policy.pool_layout=\"slot\"`, the default before head-major rows became it), `preset+hadamard` "
-              "with the Hadamard rotation of the stored keys and values.", "",
+              "with the Hadamard rotation of the stored keys and values, `preset/triton` with the CUDA attention "
+              "kernel switched off (`KVCOMPOSE_NATIVE_ATTENTION=0`: every pool read by the Triton kernel).", "",
               "**What is timed.** *ms/step* is decode wall time over the steps timed: for kvcompose from its first "
               "decode step to the end with a fresh cache, decoding as a user's call does (the host queues steps "
               "ahead of the GPU), so the one-time work of its CUDA graphs (each variant's first run, capture and "
@@ -327,18 +336,19 @@ def attention_layouts(lines: list[str], runs: list[dict]) -> None:
                     rows) + [""]
 
 
-def mixed_store(mixed) -> str:
-    """What the *mixed* rows of an attention run hold, from the run's ``shapes.mixed``: a list of
-    formats (runs before the store followed the ``thinkv`` preset: a pool of each, ThinKV's
-    R8E4T2 mapping) or the preset's class -> format map."""
-    def shown(fmt: str) -> str:
-        return {"nvfp4": "NVFP4", "fp8": "FP8"}.get(fmt, fmt)
+def mixed_store(mixed, preset: str = "thinkv") -> str:
+    """What the *mixed* (*mixed-int*) rows of an attention run hold, from the run's ``shapes.mixed``
+    (``shapes.mixed_int``): a list of formats (runs before the store followed the ``thinkv``
+    preset: a pool of each, ThinKV's R8E4T2 mapping) or the preset's class -> format map."""
+    def shown(spec: dict) -> str:
+        name = {"nvfp4": "NVFP4", "fp8": "FP8"}.get(spec["name"], spec["name"])
+        return f"INT{spec['bits']} (groups of {spec['group_size']})" if name == "int" else name
 
     if isinstance(mixed, dict):
-        classes = ", ".join(f"{c} {shown(spec['name'])}" for c, spec in mixed.items())
-        return (f"ThinKV's store as the `thinkv` preset keeps it ({classes}; each class a third of the tokens, "
+        classes = ", ".join(f"{c} {shown(spec)}" for c, spec in mixed.items())
+        return (f"ThinKV's store as the `{preset}` preset keeps it ({classes}; each class a third of the tokens, "
                 "classes of one format as regions of one pool)")
-    names = [("an " if shown(f)[0] in "NF" else "a ") + shown(f) for f in mixed]
+    names = [("an " if shown({"name": f})[0] in "NF" else "a ") + shown({"name": f}) for f in mixed]
     return f"ThinKV's R8E4T2 mapping ({', '.join(names[:-1])} and {names[-1]} pool of a third of the tokens each)"
 
 
@@ -353,7 +363,9 @@ def attention(lines: list[str]) -> None:
               "64 where D says so): the tokens sit in shuffled 16-slot blocks (kivi2: 32-slot blocks and token "
               f"groups, as its preset) in their storage format, rows {data.get('layout', 'slot')}-major "
               "(`Policy.pool_layout`), plus a 16-token bf16 buffer; *mixed* is "
-              f"{mixed_store(data['shapes'].get('mixed', ['ternary', 'nvfp4', 'fp8']))}. The op is timed "
+              f"{mixed_store(data['shapes'].get('mixed', ['ternary', 'nvfp4', 'fp8']))}"
+              + (f"; *mixed-int* is {mixed_store(data['shapes']['mixed_int'], 'thinkv-int')}"
+                 if "mixed_int" in data["shapes"] else "") + ". The op is timed "
               "as a CUDA-graph replay (its partial launches and the merge), once per kernel: *triton*, and *cuda* "
               "(the CUDA kernel, on the pools it takes) where it ran. TB/s counts the bytes the op "
               f"must read (codes, scales, block tables, validity, queries); copy bandwidth "

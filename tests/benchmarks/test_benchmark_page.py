@@ -102,6 +102,20 @@ def test_records_are_named_by_the_pool_layout_they_ran_on():
     assert [r["policy"] for r in records] == names  # what the file holds is left as recorded
 
 
+def test_records_of_a_run_without_the_cuda_attention_kernel_say_so():
+    summarize = _summarize()
+    records = [{"policy": "transformers-static"}, {"policy": "thinkv-int", "pool_layout": "head"},
+               {"policy": "nvfp4", "pool_layout": "slot"}]
+    off = {"attention_kernels": "Triton; NVFP4, ternary, INT4 and INT2 pools: Triton (KVCOMPOSE_NATIVE_ATTENTION=0)",
+           "records": records}
+    on = {"attention_kernels": "Triton; NVFP4, ternary, INT4 and INT2 pools: CUDA (native_packed.cu built for sm_90)",
+          "records": records}
+    labelled_off, labelled_on = summarize.layout_labelled([off, on])
+    assert [r["policy"] for r in labelled_off["records"]] == [
+        "transformers-static", "thinkv-int/triton", "nvfp4@slot/triton"]
+    assert [r["policy"] for r in labelled_on["records"]] == ["transformers-static", "thinkv-int", "nvfp4@slot"]
+
+
 def test_the_attention_section_sets_the_newest_grid_of_each_pool_layout_side_by_side():
     summarize = _summarize()
 
@@ -164,10 +178,17 @@ def test_the_readme_speed_figures_are_the_jsons():
                 if p in shown_here or p + "@slot" in shown_here}
 
     def latest_run(scenario):
-        """The records of the newest run of ``scenario``, baseline left out."""
-        label = [r["run"] for entry in runs for r in entry["records"] if r["scenario"] == scenario][-1]
-        return {r["policy"]: r for entry in runs for r in entry["records"]
-                if r["scenario"] == scenario and r["run"] == label and r["policy"] != summarize.BASELINE}
+        """The records of the newest run of ``scenario`` that compares fullkv with another preset, every
+        pool read by the default kernels (a ``/triton`` run is a diagnosis, not a comparison), baseline
+        left out."""
+        by_run = {}
+        for entry in runs:
+            for r in entry["records"]:
+                if r["scenario"] == scenario and r["policy"] != summarize.BASELINE:
+                    by_run.setdefault(r["run"], {})[r["policy"]] = r
+        compared = [run for run in by_run.values() if len(run) > 1 and any(p.startswith("fullkv") for p in run)
+                    and not any(p.endswith("/triton") for p in run)]
+        return compared[-1]
 
     def span(values, digits=1):
         low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
@@ -176,7 +197,7 @@ def test_the_readme_speed_figures_are_the_jsons():
     def named(run):
         """The policies of a run as the README lists them, each by its label on the results page:
         "fullkv, fp8 and nvfp4", "fullkv@slot, nvfp4 and nvfp4@slot"."""
-        order = ["fullkv", "fp8", "nvfp4", "rkv", "snapkv", "thinkv"]
+        order = ["fullkv", "fp8", "nvfp4", "rkv", "snapkv", "thinkv", "thinkv-int"]
         presets = {p.partition("@")[0] for p in run}
         assert presets <= set(order) and "fullkv" in presets, f"README names only {order}; the run has {sorted(run)}"
         names = sorted(run, key=lambda p: (order.index(p.partition("@")[0]), p))
