@@ -100,13 +100,15 @@ EXACT = {"base", "stages3", "lb18", "split_k", "lazy_rescale"}
 
 #: Substitutions of every variant: only the NVFP4 bf16 head-dim-128 kernel is compiled (a sixth of the build time).
 ONLY_BF16_128 = [
-    ("  if (fmt == TERNARY) { KVC_LAUNCH(TERNARY, 128); }\n  else if (fmt == INT4) { KVC_LAUNCH(INT4, 128); }\n"
+    ("  if (fmt == TERNARY) { KVC_LAUNCH(TERNARY, 128); }\n  else if (fmt == INT4 && D == 128) { KVC_LAUNCH(INT4, 128); }\n"
+     "  else if (fmt == INT4) { KVC_LAUNCH(INT4, 64); }\n"
      "  else if (fmt == INT2) { KVC_LAUNCH(INT2, 128); }\n  else if (D == 128) { KVC_LAUNCH(NVFP4, 128); }\n"
      "  else { KVC_LAUNCH(NVFP4, 64); }",
      '  TORCH_CHECK(fmt == NVFP4 && D == 128 && bf16, "probe: NVFP4, bf16, head dim 128 only");\n'
      "  launch<NVFP4, 128, __nv_bfloat16>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, extents,\n"
      "                                   block_size, per_split, n_splits, first, total, qk_scale, head_rows);"),
-    ("  if (fmt == TERNARY) return KVC_RESIDENT(TERNARY, 128);\n  if (fmt == INT4) return KVC_RESIDENT(INT4, 128);\n"
+    ("  if (fmt == TERNARY) return KVC_RESIDENT(TERNARY, 128);\n"
+     "  if (fmt == INT4) return D == 128 ? KVC_RESIDENT(INT4, 128) : KVC_RESIDENT(INT4, 64);\n"
      "  if (fmt == INT2) return KVC_RESIDENT(INT2, 128);\n  if (D == 128) return KVC_RESIDENT(NVFP4, 128);\n"
      "  return KVC_RESIDENT(NVFP4, 64);",
      "return resident<NVFP4, 128, __nv_bfloat16>();"),

@@ -62,7 +62,8 @@ def test_native_kernel_takes_int4_and_int2_in_groups_of_32_with_fp16_scales():
     assert not native.fits(query, int_source(4, scale_dtype="float32"))
     assert not native.fits(query, int_source(2, kivi_keys=True))  # KIVI keys: scales per channel
     query64 = torch.zeros(2, 8, 1, 64, dtype=torch.bfloat16)
-    assert not native.fits(query64, make_source("int", [20, 3], 2, 64))
+    assert native.fits(query64, make_source("int", [20, 3], 2, 64))
+    assert not native.fits(query64, make_source("int2", [20, 3], 2, 64))  # half a code word per value eighth
     mixed = make_source("int", [20, 3], 2, 128)
     mixed.value = make_source("int2", [20, 3], 2, 128).value
     assert not native.fits(query, mixed)  # keys and values of one format
@@ -130,10 +131,10 @@ NVFP4_SHAPES = [(1, 64, 4), (4, 128, 2), (8, 128, 1), (4, 64, 2), (8, 64, 1), (1
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,group,head_dim,H", [("nvfp4", *shape) for shape in NVFP4_SHAPES]
-                         + [(fmt, *shape) for fmt in ("ternary", "int", "int2") for shape in NVFP4_SHAPES
-                            if shape[1] == 128])
+                         + [("int", *shape) for shape in NVFP4_SHAPES]
+                         + [(fmt, *shape) for fmt in ("ternary", "int2") for shape in NVFP4_SHAPES if shape[1] == 128])
 def test_cuda_native_kernel_matches_reference(fmt, group, head_dim, H):
-    """Every GQA group (1, 2, 4, 8) and head dim (64, 128; ternary, INT4 ("int") and INT2: 128), with
+    """Every GQA group (1, 2, 4, 8) and head dim (64, 128; ternary and INT2: 128; "int" is INT4), with
     1 to 8 KV heads; holes, the recent buffer, empty rows, extents, and another format's pool beside it."""
     lengths = [1, 0, 3000, 700, 16, 4097, 33]
     src = make_source(fmt, lengths, H, head_dim, device="cuda")

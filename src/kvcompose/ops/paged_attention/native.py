@@ -41,7 +41,7 @@ ENABLED = os.environ.get("KVCOMPOSE_NATIVE_ATTENTION", "1") != "0"
 #: its ``fmt`` codes, and the head dims each is compiled for (a thread reads a whole code word of
 #: every value row: 16 ternary or INT2 codes are 16 channels, an eighth of 128).
 FORMATS = {"nvfp4": 0, "ternary": 1, "int4": 2, "int2": 3}
-FORMAT_HEAD_DIMS = {"nvfp4": (64, 128), "ternary": (128,), "int4": (128,), "int2": (128,)}
+FORMAT_HEAD_DIMS = {"nvfp4": (64, 128), "ternary": (128,), "int4": (64, 128), "int2": (128,)}
 INT_GROUP = 32  # channels per fp16 scale and minimum of the INT formats the kernel reads
 #: Head dims where ``backend=None`` picks the CUDA kernel: measured on an H200
 #: (``benchmarks/results/attention_gpu.json``, run of 2026-11-29), it beat the Triton kernel at
@@ -66,8 +66,8 @@ def kernel_format(op) -> str | None:
 
 
 def fits(query: torch.Tensor, src: PagedSource) -> bool:
-    """Whether the CUDA kernel takes this source and query: NVFP4 keys and values (head dim 64
-    or 128), ternary, INT4 or INT2 ones (head dim 128; INT: groups of 32 channels, fp16 scales),
+    """Whether the CUDA kernel takes this source and query: NVFP4 or INT4 keys and values (head
+    dim 64 or 128), ternary or INT2 ones (head dim 128; INT: groups of 32 channels, fp16 scales),
     a bf16 or fp16 query, at most ``MAX_GROUP`` query heads per KV head."""
     H = src.key.codes.shape[1]
     fmt = kernel_format(src.key)

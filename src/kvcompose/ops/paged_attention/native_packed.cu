@@ -758,9 +758,9 @@ int64_t resident() {
 
 }  // namespace
 
-// fmt: 0 NVFP4 (head dims 64 and 128), 1 ternary, 2 INT4 and 3 INT2 (head dim 128: a thread's value eighth
-// of 64 channels would be half a ternary or INT2 code word; the INT formats in groups of 32 channels, with fp16
-// scales and minimums in km / vm, empty for the others, and no second-level scales, khs / vhs empty).
+// fmt: 0 NVFP4 and 2 INT4 (head dims 64 and 128), 1 ternary and 3 INT2 (head dim 128: a thread's value eighth
+// of 64 channels would be half a ternary or INT2 code word); the INT formats in groups of 32 channels, with fp16
+// scales and minimums in km / vm, empty for the others, and no second-level scales, khs / vhs empty.
 void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<at::Tensor> tables, at::Tensor valid,
                     at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
                     at::Tensor km, at::Tensor vm, std::vector<at::Tensor> extents, int64_t block_size,
@@ -768,16 +768,17 @@ void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<a
                     int64_t total, double qk_scale, int64_t fmt, int64_t head_rows) {
   const int64_t D = q.size(-1);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((fmt == NVFP4 && (D == 64 || D == 128)) || ((fmt == TERNARY || fmt == INT4 || fmt == INT2) && D == 128),
-              "packed partial kernel: format ", fmt, " at head dim ", D, " not compiled; accepted: nvfp4 (0) at 64 "
-              "and 128, ternary (1), int4 (2) and int2 (3) at 128");
+  TORCH_CHECK(((fmt == NVFP4 || fmt == INT4) && (D == 64 || D == 128)) || ((fmt == TERNARY || fmt == INT2) && D == 128),
+              "packed partial kernel: format ", fmt, " at head dim ", D, " not compiled; accepted: nvfp4 (0) and "
+              "int4 (2) at 64 and 128, ternary (1) and int2 (3) at 128");
 #define KVC_LAUNCH(FMT, DIM) \
   if (bf16) launch<FMT, DIM, __nv_bfloat16>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, extents, \
                                             block_size, per_split, n_splits, first, total, qk_scale, head_rows); \
   else launch<FMT, DIM, __half>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, extents, block_size, \
                                 per_split, n_splits, first, total, qk_scale, head_rows)
   if (fmt == TERNARY) { KVC_LAUNCH(TERNARY, 128); }
-  else if (fmt == INT4) { KVC_LAUNCH(INT4, 128); }
+  else if (fmt == INT4 && D == 128) { KVC_LAUNCH(INT4, 128); }
+  else if (fmt == INT4) { KVC_LAUNCH(INT4, 64); }
   else if (fmt == INT2) { KVC_LAUNCH(INT2, 128); }
   else if (D == 128) { KVC_LAUNCH(NVFP4, 128); }
   else { KVC_LAUNCH(NVFP4, 64); }
@@ -787,7 +788,7 @@ void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<a
 int64_t packed_resident(int64_t D, bool bf16, int64_t fmt) {
 #define KVC_RESIDENT(FMT, DIM) (bf16 ? resident<FMT, DIM, __nv_bfloat16>() : resident<FMT, DIM, __half>())
   if (fmt == TERNARY) return KVC_RESIDENT(TERNARY, 128);
-  if (fmt == INT4) return KVC_RESIDENT(INT4, 128);
+  if (fmt == INT4) return D == 128 ? KVC_RESIDENT(INT4, 128) : KVC_RESIDENT(INT4, 64);
   if (fmt == INT2) return KVC_RESIDENT(INT2, 128);
   if (D == 128) return KVC_RESIDENT(NVFP4, 128);
   return KVC_RESIDENT(NVFP4, 64);
