@@ -304,12 +304,17 @@ def _throughput_svg(records: list[dict]) -> str:
 
 def full_attention_grid(runs: list[dict], layout: str = DEFAULT_POOL_LAYOUT) -> dict | None:
     """The newest run of the whole grid at the default launch settings on pools of ``layout``
-    (runs before ``--layout`` existed are slot-major): runs of a few formats (``--formats``) or
-    with the recent buffer placed otherwise (``--riders-in-merge``) answer a narrower question
-    and stay in the JSON only."""
-    full = [r for r in runs if not r.get("smoke") and r.get("riders_in_merge", "native") == "native"
-            and r.get("layout", "slot") == layout
-            and any(x["format"] == "bf16" for x in r.get("results", ()))]
+    (runs before ``--layout`` existed are slot-major): a grid has the bf16 row and every format of
+    the grids before it. Runs of a few formats (``--formats``) or with the recent buffer placed
+    otherwise (``--riders-in-merge``) answer a narrower question and stay in the JSON only."""
+    full, seen = [], set()
+    for r in runs:
+        if r.get("smoke") or r.get("riders_in_merge", "native") != "native" or r.get("layout", "slot") != layout:
+            continue
+        formats = {x["format"] for x in r.get("results", ())}
+        if "bf16" in formats and formats >= seen:
+            full.append(r)
+            seen |= formats
     return full[-1] if full else None
 
 

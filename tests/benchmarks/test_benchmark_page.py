@@ -121,13 +121,15 @@ def test_the_attention_section_sets_the_newest_grid_of_each_pool_layout_side_by_
 
     def run(layout, ms, **extra):
         rows = [{"format": f, "kernel": "triton", "batch": 16, "tokens": 8192, "head_dim": 128, "ms": ms[f],
-                 "fraction_of_copy": 0.1 / ms[f]} for f in ("bf16", "nvfp4")]
+                 "fraction_of_copy": 0.1 / ms[f]} for f in ms]
         return {"environment": {"gpu": "NVIDIA H200"}, "copy_tb_per_s": 4.28, "results": rows, **extra, **layout}
 
     runs = [run({}, {"bf16": 0.2, "nvfp4": 0.12}), run({"layout": "head"}, {"bf16": 0.2, "nvfp4": 0.1}),
-            run({"layout": "head"}, {"bf16": 0.2, "nvfp4": 0.05}, smoke=True)]
+            run({"layout": "head"}, {"bf16": 0.2, "nvfp4": 0.05}, smoke=True),
+            run({"layout": "head"}, {"bf16": 0.2})]
     assert summarize.full_attention_grid(runs, "slot") is runs[0]
-    assert summarize.full_attention_grid(runs, "head") is runs[1]  # a smoke run is not a grid
+    # a smoke run is not a grid, nor is a run of fewer formats than the grid before it
+    assert summarize.full_attention_grid(runs, "head") is runs[1]
     lines = []
     summarize.attention_layouts(lines, runs)
     assert "| nvfp4 | triton | 16x8192x128 | 120 | 100 | 83 | 100 | 1.20 |" in lines
