@@ -97,9 +97,9 @@ def build_mixed(B: int, L: int, device, dim: int, formats: dict) -> list[PagedSo
     """ThinKV's store: each class of ``formats`` a third of the pool tokens, the classes of one
     format as regions of one pool (each row's blocks of that pool cut into one run of table
     columns per class, as the store keeps its R and E regions), and the buffer."""
-    classes_of: dict[str, list[str]] = {}
+    classes_of: dict[str, list[str]] = {}  # classes of one format (the same quantizer spec) share a pool
     for name, spec in formats.items():
-        classes_of.setdefault(spec["name"], []).append(name)
+        classes_of.setdefault(repr(sorted(spec.items())), []).append(name)
     share = (L - BUFFER) // len(formats)
     sources, buffer = [], None
     for seed, classes in enumerate(classes_of.values()):
@@ -240,7 +240,8 @@ def main(argv=None) -> int:
             "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "block_size": BLOCK, "mixed": MIXED, "mixed_int": MIXED_INT,
                        "block_sizes": BLOCK_SIZES,
                        "buffer_tokens": BUFFER},
-            "riders_in_merge": args.riders_in_merge, "layout": args.layout,
+            "riders_in_merge": args.riders_in_merge, "layout": args.layout, "formats": args.formats,
+            "narrowed": set(args.formats) != set(FORMATS),
             "targets": TARGETS, "copy_tb_per_s": copy, "native_kernel": status, "results": results,
             "seconds": time.perf_counter() - wall}
     if not args.smoke:

@@ -64,15 +64,16 @@ def quant(lines: list[str]) -> None:
                      "bit-exact"], rows) + [""]
 
 
-#: What a run's ``attention_kernels`` says when the CUDA attention kernel was switched off.
-NATIVE_OFF = "KVCOMPOSE_NATIVE_ATTENTION=0"
+#: What a run's ``attention_kernels`` says when the packed pools were read by the Triton kernel (the
+#: CUDA kernel switched off with ``KVCOMPOSE_NATIVE_ATTENTION=0``, or not built).
+NATIVE_OFF = "pools: Triton ("
 
 
 def layout_labelled(runs: list[dict]) -> list[dict]:
     """``runs`` with each kvcompose record named by what ran: the preset, ``@layout`` where its
-    pools' rows were not in today's default order (``nvfp4@slot``), and ``/triton`` where the run
-    had the CUDA attention kernel switched off (its ``attention_kernels`` names
-    ``KVCOMPOSE_NATIVE_ATTENTION=0``). A record without ``pool_layout`` ran on the layout its name
+    pools' rows were not in today's default order (``nvfp4@slot``), and ``/triton`` where the
+    run's packed pools were read by the Triton kernel (its ``attention_kernels`` says so: the CUDA
+    kernel switched off or not built). A record without ``pool_layout`` ran on the layout its name
     asks for (``nvfp4@head``), else on slot-major pools, the default when it was made. The file
     keeps the names as recorded."""
     def label(r: dict, triton_only: bool) -> dict:
@@ -213,8 +214,9 @@ def e2e(lines: list[str], figures: dict, runs: list[dict] | None = None) -> None
               "static-shape path replayed as CUDA graphs (`fast_generate`). Decoding speed does not depend on the "
               "weights. A policy is the preset as named; `preset@slot` ran with its pools' rows slot-major "
               "(`Policy.pool_layout=\"slot\"`, the default before head-major rows became it), `preset+hadamard` "
-              "with the Hadamard rotation of the stored keys and values, `preset/triton` with the CUDA attention "
-              "kernel switched off (`KVCOMPOSE_NATIVE_ATTENTION=0`: every pool read by the Triton kernel).", "",
+              "with the Hadamard rotation of the stored keys and values, `preset/triton` without the CUDA attention "
+              "kernel (switched off with `KVCOMPOSE_NATIVE_ATTENTION=0`, or not built: every pool read by the "
+              "Triton kernel).", "",
               "**What is timed.** *ms/step* is decode wall time over the steps timed: for kvcompose from its first "
               "decode step to the end with a fresh cache, decoding as a user's call does (the host queues steps "
               "ahead of the GPU), so the one-time work of its CUDA graphs (each variant's first run, capture and "
@@ -304,15 +306,17 @@ def _throughput_svg(records: list[dict]) -> str:
 
 def full_attention_grid(runs: list[dict], layout: str = DEFAULT_POOL_LAYOUT) -> dict | None:
     """The newest run of the whole grid at the default launch settings on pools of ``layout``
-    (runs before ``--layout`` existed are slot-major): a grid has the bf16 row and every format of
-    the grids before it. Runs of a few formats (``--formats``) or with the recent buffer placed
-    otherwise (``--riders-in-merge``) answer a narrower question and stay in the JSON only."""
+    (runs before ``--layout`` existed are slot-major). Runs of a few formats (``--formats``: newer
+    runs record ``narrowed``; in older ones, a grid has the bf16 row and every format of the grids
+    before it) or with the recent buffer placed otherwise (``--riders-in-merge``) answer a narrower
+    question and stay in the JSON only."""
     full, seen = [], set()
     for r in runs:
         if r.get("smoke") or r.get("riders_in_merge", "native") != "native" or r.get("layout", "slot") != layout:
             continue
         formats = {x["format"] for x in r.get("results", ())}
-        if "bf16" in formats and formats >= seen:
+        grid = not r["narrowed"] if "narrowed" in r else ("bf16" in formats and formats >= seen)
+        if grid:
             full.append(r)
             seen |= formats
     return full[-1] if full else None

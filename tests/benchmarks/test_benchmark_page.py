@@ -110,10 +110,13 @@ def test_records_of_a_run_without_the_cuda_attention_kernel_say_so():
            "records": records}
     on = {"attention_kernels": "Triton; NVFP4, ternary, INT4 and INT2 pools: CUDA (native_packed.cu built for sm_90)",
           "records": records}
-    labelled_off, labelled_on = summarize.layout_labelled([off, on])
+    unbuilt = {"attention_kernels": "Triton; NVFP4 and ternary pools: Triton (nvcc not found (set CUDA_HOME to "
+                                    "build the CUDA kernel))", "records": records}
+    labelled_off, labelled_on, labelled_unbuilt = summarize.layout_labelled([off, on, unbuilt])
     assert [r["policy"] for r in labelled_off["records"]] == [
         "transformers-static", "thinkv-int/triton", "nvfp4@slot/triton"]
     assert [r["policy"] for r in labelled_on["records"]] == ["transformers-static", "thinkv-int", "nvfp4@slot"]
+    assert [r["policy"] for r in labelled_unbuilt["records"]] == [r["policy"] for r in labelled_off["records"]]
 
 
 def test_the_attention_section_sets_the_newest_grid_of_each_pool_layout_side_by_side():
@@ -130,6 +133,11 @@ def test_the_attention_section_sets_the_newest_grid_of_each_pool_layout_side_by_
     assert summarize.full_attention_grid(runs, "slot") is runs[0]
     # a smoke run is not a grid, nor is a run of fewer formats than the grid before it
     assert summarize.full_attention_grid(runs, "head") is runs[1]
+    # newer runs say whether --formats narrowed them: that decides, whatever the formats before
+    whole = run({"layout": "head"}, {"bf16": 0.2}, narrowed=False)
+    assert summarize.full_attention_grid(runs + [whole], "head") is whole
+    assert summarize.full_attention_grid(runs + [whole, run({"layout": "head"}, {"bf16": 0.3}, narrowed=True)],
+                                         "head") is whole
     lines = []
     summarize.attention_layouts(lines, runs)
     assert "| nvfp4 | triton | 16x8192x128 | 120 | 100 | 83 | 100 | 1.20 |" in lines

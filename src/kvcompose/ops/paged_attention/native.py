@@ -44,9 +44,11 @@ FORMATS = {"nvfp4": 0, "ternary": 1, "int4": 2, "int2": 3}
 FORMAT_HEAD_DIMS = {"nvfp4": (64, 128), "ternary": (128,), "int4": (64, 128), "int2": (128,)}
 INT_GROUP = 32  # channels per fp16 scale and minimum of the INT formats the kernel reads
 #: Head dims where ``backend=None`` picks the CUDA kernel: measured on an H200
-#: (``benchmarks/results/attention_gpu.json``, run of 2026-11-29), it beat the Triton kernel at
-#: 128 (1.18-1.66x on NVFP4 pools, 1.25-1.48x on ThinKV's store) and at 64 on an NVFP4 pool
-#: (1.14x at 16 x 8K), and tied it there on ThinKV's store (its ternary pool stays in Triton).
+#: (``benchmarks/results/attention_gpu.json``, head-major pools, 2026-11-29T05:21:35), it beat the
+#: Triton kernel at 128 (1.20-1.78x on NVFP4, 1.16-1.40x on ternary, 1.29-2.28x on INT4 and
+#: 1.35-1.92x on INT2 pools, 1.37-1.49x on ThinKV's store and 1.45-1.79x on thinkv-int's) and at 64
+#: on NVFP4 (1.18x at 16 x 8K) and INT4 pools (1.50x, 2026-11-29T06:00:12), and tied it there on
+#: ThinKV's store (1.03x; its ternary pool stays in Triton).
 AUTO_HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head: the mma's 8 columns
 SOURCE = Path(__file__).with_name("native_packed.cu")
@@ -59,7 +61,8 @@ def kernel_format(op) -> str | None:
     ``INT_GROUP`` channels with fp16 scales and minimums."""
     if op.fmt in ("nvfp4", "ternary"):
         return op.fmt
-    if op.fmt == "int" and op.bits in (2, 4) and op.scale.dtype == op.minimum.dtype == torch.float16 \
+    if op.fmt == "int" and op.bits in (2, 4) and op.minimum is not None \
+            and op.scale.dtype == op.minimum.dtype == torch.float16 \
             and op.scale.shape == op.minimum.shape and op.scale.shape[-1] * INT_GROUP == op.head_dim():
         return f"int{op.bits}"
     return None

@@ -21,7 +21,7 @@
 //   (one byte permute for four codes). The hardware converts pairs to fp16, and the block scale
 //   times 2^6 is one fp16 multiply whose product is exact. The per-(row, head) scale multiplies
 //   the dot products (keys) and the finished output (values) in fp32.
-// * Both formats share everything else: an E4M3 scale per 16 channels, and a 32-bit code word
+// * NVFP4 and ternary share everything else: an E4M3 scale per 16 channels, and a 32-bit code word
 //   (8 NVFP4 or 16 ternary codes) decodes into fp16 pairs whose channels follow one rule
 //   (word_channel), so the query gather and the output scatter do not depend on the format.
 // * INT4 and INT2 codes (asymmetric, an fp16 scale and minimum per 32 channels of a token) are
@@ -54,7 +54,6 @@ struct Shape {
   static constexpr int CHUNKS = ROW / 16;   // 16-byte chunks of a code row
   static constexpr int REGS = 2 * PER_BYTE;  // fp16 pairs a 32-bit code word decodes into
   static constexpr int WORD_CHANNELS = 4 * PER_BYTE;
-  static constexpr int BLOCKS = D / 16;     // E4M3 block scales per (token, head)
   // scale bytes per (token, head): E4M3 per 16 channels, or fp16 per INT group (the minimums likewise)
   static constexpr int SCALE_ROW = INT ? 2 * D / INT_GROUP : D / 16;
   // what decoding leaves out of the values: 2^6 for the E4M3 trick (folded into the key and output scales)
@@ -188,8 +187,9 @@ __device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t m2
 
 // The same code word of two tokens (w0, w1) decoded into fp16 pairs that each hold both tokens'
 // value of one channel, as the value product's A operand takes them (two tokens per register):
-// out[2 k + e] = (token 0, token 1) at the word's channel word_channel(k, e); s2 = (scale of
-// token 0, scale of token 1). The bytes of the two words are interleaved before the decode
+// out[2 k + e] = (token 0, token 1) at the word's channel value_channel(k, e); s2 = (scale of
+// token 0, scale of token 1), m2 likewise the INT formats' minimums. The bytes of the two words are
+// interleaved before the decode
 // (after the table lookup for ternary), which costs a quarter (NVFP4) or half (ternary) of the
 // byte permutes that interleaving the decoded pairs would.
 template <int F>
@@ -466,8 +466,8 @@ struct State {
   float acc[D / 16][4];  // Shape::VTILES
 };
 
-// One tile: scores, online softmax, values. Decoded values lack the 2^6 that the E4M3 trick
-// takes off (folded into key_scale and into the output scale).
+// One tile: scores, online softmax, values. Decoded NVFP4 and ternary values lack the 2^6 that the
+// E4M3 trick takes off (Shape::UNSCALED, folded into key_scale and into the output scale).
 template <int F, int D>
 __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, const uint32_t (*qf)[2],
                                             float key_scale, int gid, int tig) {
@@ -542,7 +542,8 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
     const uint32_t b0 = transpose8x8(half2_bits(s[j][0], s[j][1]));
     const uint32_t b1 = transpose8x8(half2_bits(s[j][2], s[j][3]));
     // x[p]: the lane's token pair p (value tokens 4 j + 2 p and 4 j + 2 p + 1), register 2 r + e
-    // holding both tokens at channel word_channel(r, e); a token outside the split gets scale 0
+    // holding both tokens at channel value_channel(r, e); a token outside the split gets scale (and
+    // minimum) 0
     uint32_t x[2][2 * S::VTILES];
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
