@@ -120,11 +120,11 @@ def attention_kernels(device) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return "torch reference (no CUDA device)"
-    from .ops.paged_attention.native import native_status
+    from .ops.paged_attention.native import POOLS, native_status
 
     status = native_status(device)
     kernel = "CUDA" if status["kernel"] == "cuda" else "Triton"
-    return f"Triton; NVFP4, ternary, INT4 and INT2 pools: {kernel} ({status['reason']})"
+    return f"Triton; {POOLS}: {kernel} ({status['reason']})"
 
 
 def copy_tbps(device, nbytes: int | None = None) -> float:

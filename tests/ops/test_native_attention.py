@@ -15,16 +15,25 @@ from kvcompose.ops.paged_attention.launch import _native_plans, native_groups
 from test_paged_attention import check_extent, make_source
 
 
+#: test format ("int": INT4 in groups of 32) -> (the kernel's name for it, head dims it takes, another format)
+KERNEL_FORMATS = {"nvfp4": ("nvfp4", (64, 128), "ternary"), "ternary": ("ternary", (128,), "nvfp4"),
+                  "int": ("int4", (64, 128), "int2"), "int2": ("int2", (128,), "int")}
+
+
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+def test_native_kernel_takes_each_format_at_its_head_dims_for_keys_and_values_alike(fmt):
+    name, dims, other = KERNEL_FORMATS[fmt]
+    for D in (64, 128):  # 64: a ternary or INT2 value eighth would be half a code word
+        query = torch.zeros(2, 8, 1, D, dtype=torch.bfloat16)
+        src = make_source(fmt, [20, 3], 2, D)
+        assert native.kernel_format(src.key) == name and native.fits(query, src) == (D in dims)
+    mixed = make_source(fmt, [20, 3], 2, 128)
+    mixed.value = make_source(other, [20, 3], 2, 128).value
+    assert not native.fits(torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16), mixed)  # keys and values of one format
+
+
 def test_native_kernel_takes_only_the_pools_it_was_written_for():
     query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
-    assert native.fits(query, make_source("nvfp4", [20, 3], 2, 128))
-    assert native.fits(query, make_source("ternary", [20, 3], 2, 128))
-    query64 = torch.zeros(2, 8, 1, 64, dtype=torch.bfloat16)
-    assert native.fits(query64, make_source("nvfp4", [20, 3], 2, 64))
-    assert not native.fits(query64, make_source("ternary", [20, 3], 2, 64))  # half a code word per value eighth
-    mixed = make_source("ternary", [20, 3], 2, 128)
-    mixed.value = make_source("nvfp4", [20, 3], 2, 128).value
-    assert not native.fits(query, mixed)  # keys and values of one format
     assert not native.fits(query, make_source("fp8", [20, 3], 2, 128))
     assert not native.fits(query.float(), make_source("nvfp4", [20, 3], 2, 128))
     assert not native.fits(torch.zeros(2, 8, 1, 32, dtype=torch.bfloat16), make_source("nvfp4", [20, 3], 2, 32))
@@ -51,8 +60,6 @@ def int_source(bits, group_size=32, scale_dtype="float16", D=128, kivi_keys=Fals
 
 def test_native_kernel_takes_int4_and_int2_in_groups_of_32_with_fp16_scales():
     query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
-    assert native.fits(query, make_source("int", [20, 3], 2, 128))
-    assert native.fits(query, make_source("int2", [20, 3], 2, 128))
     assert native.fits(query, head_major(make_source("int2", [20, 3], 2, 128)))
     assert native.kernel_format(int_source(4).key) == "int4" and native.kernel_format(int_source(2).key) == "int2"
     assert native.fits(query, int_source(4)) and native.fits(query, int_source(2))
@@ -61,12 +68,6 @@ def test_native_kernel_takes_int4_and_int2_in_groups_of_32_with_fp16_scales():
     assert not native.fits(query, int_source(4, group_size=None))
     assert not native.fits(query, int_source(4, scale_dtype="float32"))
     assert not native.fits(query, int_source(2, kivi_keys=True))  # KIVI keys: scales per channel
-    query64 = torch.zeros(2, 8, 1, 64, dtype=torch.bfloat16)
-    assert native.fits(query64, make_source("int", [20, 3], 2, 64))
-    assert not native.fits(query64, make_source("int2", [20, 3], 2, 64))  # half a code word per value eighth
-    mixed = make_source("int", [20, 3], 2, 128)
-    mixed.value = make_source("int2", [20, 3], 2, 128).value
-    assert not native.fits(query, mixed)  # keys and values of one format
 
 
 def test_cpu_steps_never_plan_the_native_kernel():

@@ -43,6 +43,8 @@ ENABLED = os.environ.get("KVCOMPOSE_NATIVE_ATTENTION", "1") != "0"
 FORMATS = {"nvfp4": 0, "ternary": 1, "int4": 2, "int2": 3}
 FORMAT_HEAD_DIMS = {"nvfp4": (64, 128), "ternary": (128,), "int4": (64, 128), "int2": (128,)}
 INT_GROUP = 32  # channels per fp16 scale and minimum of the INT formats the kernel reads
+#: The pools it reads, in words (the log line, :func:`kvcompose.speed.attention_kernels`).
+POOLS = "NVFP4, ternary, INT4 and INT2 pools"
 #: Head dims where ``backend=None`` picks the CUDA kernel: measured on an H200
 #: (``benchmarks/results/attention_gpu.json``, head-major pools, 2026-11-29T05:21:35), it beat the
 #: Triton kernel at 128 (1.20-1.78x on NVFP4, 1.16-1.40x on ternary, 1.29-2.28x on INT4 and
@@ -103,10 +105,8 @@ def module(device: torch.device):
     if index not in _STATE:
         _STATE[index] = _build(index)
         built, reason = _STATE[index]
-        if built is None:
-            log.info("kvcompose: NVFP4, ternary, INT4 and INT2 decode attention runs the Triton kernel (%s)", reason)
-        else:
-            log.info("kvcompose: NVFP4, ternary, INT4 and INT2 decode attention runs the CUDA kernel (%s)", reason)
+        kernel = "Triton" if built is None else "CUDA"
+        log.info("kvcompose: decode attention of %s runs the %s kernel (%s)", POOLS, kernel, reason)
     return _STATE[index][0]
 
 
