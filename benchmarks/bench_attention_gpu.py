@@ -2,14 +2,14 @@
 
 Llama-3-8B shapes (32 query heads, 8 KV heads of 128), one query per row, B x L in
 {1 x 32K, 16 x 8K, 64 x 4K, 256 x 1K}, and 16 x 8K at head dim 64 (the embedded model's).
-Every format's tokens sit in shuffled 16-slot blocks of a pool (kivi2: 32-slot blocks and
+Every format's tokens sit in shuffled 16-slot blocks of a pool (kivi2 and kivi4: 32-slot blocks and
 token groups, as its preset) plus a 16-token bf16 recent buffer; ``mixed`` is ThinKV's
 store as the ``thinkv`` preset keeps it (``THINKV_FORMATS``): each thought class a third of
 the tokens, classes of one format as regions (block tables) of one pool, so R and E share an
 NVFP4 pool and T has a ternary one; ``mixed-int`` is ``thinkv-int``'s (``THINKV_INT_FORMATS``:
 R and E in INT4, groups of 32). The op is timed
 as a CUDA-graph replay (its partial launches and the merge), once per kernel that takes the
-format: ``triton`` always, ``cuda`` (the CUDA kernel of NVFP4, ternary, INT4 and INT2 pools) where it
+format: ``triton`` always, ``cuda`` (the CUDA kernel of NVFP4, ternary, INT4, INT2 and KIVI pools) where it
 is built.
 Reported per (format, kernel, shape): milliseconds, effective TB/s on the bytes the op must
 read (codes, scales, block tables, validity, queries), that rate as a fraction of the
@@ -63,10 +63,12 @@ FORMATS = {  # label -> (key quantizer spec, value quantizer spec); None: bf16 a
     "int2": ({"name": "int", "bits": 2, "group_size": 32},) * 2,
     "kivi2": ({"name": "int", "bits": 2, "layout": "kivi", "token_group": 32},
               {"name": "int", "bits": 2, "layout": "kivi", "token_group": 32}),
+    "kivi4": ({"name": "int", "bits": 4, "layout": "kivi", "token_group": 32},
+              {"name": "int", "bits": 4, "layout": "kivi", "token_group": 32}),
     "mixed": (None, None),  # built from MIXED
     "mixed-int": (None, None),  # built from MIXED_INT
 }
-BLOCK_SIZES = {"kivi2": 32}  # the kivi2 preset's blocks and token groups (16-slot blocks elsewhere)
+BLOCK_SIZES = {"kivi2": 32, "kivi4": 32}  # the kivi presets' blocks and token groups (16-slot blocks elsewhere)
 UNIT = {"fp8": 1 / 448, "nvfp4": 1 / (6 * 448), "ternary": 1 / 448}
 LAYOUT = DEFAULT_POOL_LAYOUT  # the pools' (slot, head) row order, as a Policy's by default (formats.row_layout)
 TARGETS = {"frac_copy": 0.8, "speedup": {"nvfp4": 3.0, "ternary": 3.0, "fp8": 1.8, "bf16": 1.0}}

@@ -27,7 +27,8 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parents[2] / "src" / "kvcompose" / "ops" / "paged_attention" / "native_packed.cu"
 #: (format, head dim, query dtype) of every kernel ``packed_partial`` dispatches to
 KERNELS = [(fmt, dim, dtype) for fmt, dim in (("NVFP4", 64), ("NVFP4", 128), ("TERNARY", 128), ("INT4", 64),
-                                              ("INT4", 128), ("INT2", 128))
+                                              ("INT4", 128), ("INT2", 128), ("KIVI4", 64), ("KIVI4", 128),
+                                              ("KIVI2", 128))
            for dtype in ("__nv_bfloat16", "__half")]
 LAUNCHERS = "template <int F, int D, typename T>\nvoid launch("
 

@@ -35,12 +35,12 @@ CVT = [f'"cvt.rn.f16x2.e4m3x2 %{i}, {r};\\n"' for i, r in enumerate(("l0", "l1",
 MUL = [f'"mul.rn.f16x2 %{i}, %{i}, %5;\\n"' for i in range(4)]
 KEY_PRODUCT = (
     "    for (int kk = 0; kk < S::KSTEPS; ++kk)\n"
-    "      mma16816(s[j], a0[2 * kk], a1[2 * kk], a0[2 * kk + 1], a1[2 * kk + 1], qf[kk][0], qf[kk][1]);",
+    "      mma16816(s[j], a0[2 * kk], a1[2 * kk], a0[2 * kk + 1], a1[2 * kk + 1], kq[kk][0], kq[kk][1]);",
     "    float odd[4] = {0.f, 0.f, 0.f, 0.f};\n"
     "#pragma unroll\n"
     "    for (int kk = 0; kk < S::KSTEPS; ++kk)\n"
-    "      mma16816(kk & 1 ? odd : s[j], a0[2 * kk], a1[2 * kk], a0[2 * kk + 1], a1[2 * kk + 1], qf[kk][0], "
-    "qf[kk][1]);\n"
+    "      mma16816(kk & 1 ? odd : s[j], a0[2 * kk], a1[2 * kk], a0[2 * kk + 1], a1[2 * kk + 1], kq[kk][0], "
+    "kq[kk][1]);\n"
     "#pragma unroll\n"
     "    for (int c = 0; c < 4; ++c) s[j][c] += odd[c];")
 RESCALE = (
@@ -50,7 +50,7 @@ RESCALE = (
     "#pragma unroll\n  for (int r = 0; r < S::VTILES; ++r) {\n    st.acc[r][0] *= alpha[0];\n"
     "    st.acc[r][1] *= alpha[1];\n    st.acc[r][2] *= alpha[0];\n    st.acc[r][3] *= alpha[1];\n  }\n  }")
 READ = ("    read_tile<F, D>(tile, base + (i % STAGES) * Stage<F, D>::BYTES, at, start + i * TILE + lane < end, gid, tig,\n"
-        "                    lane);\n")
+        "                    lane, qf);\n")
 ATTEND = "    attend_tile<F, D>(tile, st, qf, key_scale, gid, tig);\n"
 SIDE_COPIES = ("  copy_async<SR>(stage + St::KS + SR * lane, p.ks + at, slot >= 0);\n",
                "  copy_async<SR>(stage + St::VS + SR * lane, p.vs + at, slot >= 0);\n",
@@ -62,6 +62,7 @@ HEAD_MAJOR = [
     ("  const uint32_t at = (uint32_t)max(slot, 0) * p.scale_stride + p.scale_at;",
      "  const uint32_t at = (uint32_t)(max(slot, 0) & ~15) * p.scale_stride + 16 * p.scale_at\n"
      "                      + (uint32_t)(max(slot, 0) & 15) * (D / 16);")]
+LAUNCH_BOUNDS = "__launch_bounds__(32, kivi_format(F) && D == 128 ? 16 : 0)"
 #: variant -> [(text, replacement)] applied to the kernel's source
 VARIANTS = {
     "base": [],
@@ -73,7 +74,7 @@ VARIANTS = {
                    "void fp4_word(uint32_t w, uint32_t s2, uint32_t* out) {\n  out[0] = w ^ s2; out[1] = w + s2; "
                    "out[2] = w - s2; out[3] = w | s2; return;")],
     # at most 113 registers, so that 18 programs fit an SM (ptxas gives 96 and spills 48 bytes)
-    "lb18": [("__launch_bounds__(32)", "__launch_bounds__(32, 18)")],
+    "lb18": [(LAUNCH_BOUNDS, "__launch_bounds__(32, 18)")],
     # the key product in two independent accumulator chains of four products instead of one of eight
     "split_k": [KEY_PRODUCT],
     # the output's rescale skipped when no query head's maximum moved (every alpha is exactly 1)
@@ -100,14 +101,18 @@ EXACT = {"base", "stages3", "lb18", "split_k", "lazy_rescale"}
 
 #: Substitutions of every variant: only the NVFP4 bf16 head-dim-128 kernel is compiled (a sixth of the build time).
 ONLY_BF16_128 = [
-    ("  if (fmt == TERNARY) { KVC_LAUNCH(TERNARY, 128); }\n  else if (fmt == INT4 && D == 128) { KVC_LAUNCH(INT4, 128); }\n"
+    ("  if (fmt == KIVI4 && D == 128) { KVC_LAUNCH(KIVI4, 128); return; }\n"
+     "  if (fmt == KIVI4) { KVC_LAUNCH(KIVI4, 64); return; }\n  if (fmt == KIVI2) { KVC_LAUNCH(KIVI2, 128); return; }\n"
+     "  if (fmt == TERNARY) { KVC_LAUNCH(TERNARY, 128); }\n  else if (fmt == INT4 && D == 128) { KVC_LAUNCH(INT4, 128); }\n"
      "  else if (fmt == INT4) { KVC_LAUNCH(INT4, 64); }\n"
      "  else if (fmt == INT2) { KVC_LAUNCH(INT2, 128); }\n  else if (D == 128) { KVC_LAUNCH(NVFP4, 128); }\n"
      "  else { KVC_LAUNCH(NVFP4, 64); }",
      '  TORCH_CHECK(fmt == NVFP4 && D == 128 && bf16, "probe: NVFP4, bf16, head dim 128 only");\n'
      "  launch<NVFP4, 128, __nv_bfloat16>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, extents,\n"
      "                                   block_size, per_split, n_splits, first, total, qk_scale, head_rows);"),
-    ("  if (fmt == TERNARY) return KVC_RESIDENT(TERNARY, 128);\n"
+    ("  if (fmt == KIVI4) return D == 128 ? KVC_RESIDENT(KIVI4, 128) : KVC_RESIDENT(KIVI4, 64);\n"
+     "  if (fmt == KIVI2) return KVC_RESIDENT(KIVI2, 128);\n"
+     "  if (fmt == TERNARY) return KVC_RESIDENT(TERNARY, 128);\n"
      "  if (fmt == INT4) return D == 128 ? KVC_RESIDENT(INT4, 128) : KVC_RESIDENT(INT4, 64);\n"
      "  if (fmt == INT2) return KVC_RESIDENT(INT2, 128);\n  if (D == 128) return KVC_RESIDENT(NVFP4, 128);\n"
      "  return KVC_RESIDENT(NVFP4, 64);",

@@ -33,7 +33,7 @@ def test_the_mixed_store_holds_thinkvs_classes_as_the_preset_stores_them(bench, 
     assert [s.key.bits for s in regions] == [spec.get("bits", 0) for spec in formats.values()]
     r, e, t = regions
     assert pool_of(r) == pool_of(e) != pool_of(t)  # R and E: regions of one NVFP4 (INT4) pool
-    assert kernel_format(r.key) == ("nvfp4" if label == "mixed" else "int4")
+    assert kernel_format(r) == ("nvfp4" if label == "mixed" else "int4")
     assert [s.tokens for s in regions] == [64, 64, 64] and buffer.tokens == bench.BUFFER
     slots = torch.cat([s.slots().reshape(-1) for s in (r, e)])
     assert slots.unique().numel() == slots.numel()  # the regions hold different blocks of the pool

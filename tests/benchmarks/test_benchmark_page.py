@@ -207,7 +207,7 @@ def test_the_readme_speed_figures_are_the_jsons():
     def named(run):
         """The policies of a run as the README lists them, each by its label on the results page:
         "fullkv, fp8 and nvfp4", "fullkv@slot, nvfp4 and nvfp4@slot"."""
-        order = ["fullkv", "fp8", "nvfp4", "rkv", "snapkv", "thinkv", "thinkv-int"]
+        order = ["fullkv", "fp8", "nvfp4", "kivi2", "rkv", "snapkv", "thinkv", "thinkv-int"]
         presets = {p.partition("@")[0] for p in run}
         assert presets <= set(order) and "fullkv" in presets, f"README names only {order}; the run has {sorted(run)}"
         names = sorted(run, key=lambda p: (order.index(p.partition("@")[0]), p))

@@ -1,13 +1,14 @@
-"""The CUDA decode kernel of NVFP4, ternary, INT4 and INT2 pools (ops.paged_attention.native): when it runs,
-and that it agrees with the reference."""
+"""The CUDA decode kernel of NVFP4, ternary, INT4, INT2 and KIVI pools (ops.paged_attention.native): when it
+runs, and that it agrees with the reference."""
 
+import dataclasses
 import logging
 
 import pytest
 import torch
 
 from kvcompose.ops.paged_attention import head_major, native, paged_decode_attention, paged_decode_attention_torch
-from kvcompose import registry
+from kvcompose import Policy, registry
 from kvcompose.ops.paged_attention import KVOperand, PagedSource
 from kvcompose.ops.paged_attention.formats import to_head_major
 from kvcompose.ops.paged_attention.launch import _native_plans, native_groups
@@ -17,7 +18,8 @@ from test_paged_attention import check_extent, make_source
 
 #: test format ("int": INT4 in groups of 32) -> (the kernel's name for it, head dims it takes, another format)
 KERNEL_FORMATS = {"nvfp4": ("nvfp4", (64, 128), "ternary"), "ternary": ("ternary", (128,), "nvfp4"),
-                  "int": ("int4", (64, 128), "int2"), "int2": ("int2", (128,), "int")}
+                  "int": ("int4", (64, 128), "int2"), "int2": ("int2", (128,), "int"),
+                  "kivi4": ("kivi4", (64, 128), "kivi2"), "kivi2": ("kivi2", (128,), "kivi4")}
 
 
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS)
@@ -26,7 +28,7 @@ def test_native_kernel_takes_each_format_at_its_head_dims_for_keys_and_values_al
     for D in (64, 128):  # 64: a ternary or INT2 value eighth would be half a code word
         query = torch.zeros(2, 8, 1, D, dtype=torch.bfloat16)
         src = make_source(fmt, [20, 3], 2, D)
-        assert native.kernel_format(src.key) == name and native.fits(query, src) == (D in dims)
+        assert native.kernel_format(src) == name and native.fits(query, src) == (D in dims)
     mixed = make_source(fmt, [20, 3], 2, 128)
     mixed.value = make_source(other, [20, 3], 2, 128).value
     assert not native.fits(torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16), mixed)  # keys and values of one format
@@ -61,13 +63,41 @@ def int_source(bits, group_size=32, scale_dtype="float16", D=128, kivi_keys=Fals
 def test_native_kernel_takes_int4_and_int2_in_groups_of_32_with_fp16_scales():
     query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
     assert native.fits(query, head_major(make_source("int2", [20, 3], 2, 128)))
-    assert native.kernel_format(int_source(4).key) == "int4" and native.kernel_format(int_source(2).key) == "int2"
+    assert native.kernel_format(int_source(4)) == "int4" and native.kernel_format(int_source(2)) == "int2"
     assert native.fits(query, int_source(4)) and native.fits(query, int_source(2))
     assert not native.fits(query, int_source(8))  # INT8: not compiled
     assert not native.fits(query, int_source(4, group_size=64))  # one scale per 32 channels only
     assert not native.fits(query, int_source(4, group_size=None))
     assert not native.fits(query, int_source(4, scale_dtype="float32"))
     assert not native.fits(query, int_source(2, kivi_keys=True))  # KIVI keys: scales per channel
+
+
+def test_native_kernel_takes_kivi_pools_whose_tiles_are_one_token_group():
+    query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
+    src = make_source("kivi2", [40, 3], 2, 128)
+    assert native.fits(query, src)
+    assert native.fits(query, make_source("kivi2", [40, 3], 2, 128, bs=64))
+    assert not native.fits(query, dataclasses.replace(src, block_size=16))  # a tile would span two blocks
+    slot_major = make_source("int_channel", [40, 3], 2, 128)  # keys in token groups of 16
+    assert native.kernel_format(slot_major) is None
+    rows = dataclasses.replace(src, value=dataclasses.replace(src.value, scale=src.value.scale.contiguous(),
+                                                              minimum=src.value.minimum.contiguous()))
+    assert native.kernel_format(rows) == "kivi2" and not native.fits(query, rows)  # value scales 2 slots apart
+    wide = dataclasses.replace(src, key=dataclasses.replace(src.key, scale=src.key.scale.float()))
+    assert native.kernel_format(wide) is None  # fp32 key scales
+
+
+@pytest.mark.parametrize("preset,fmt", [("kivi2", "kivi2"), ("kivi4", "kivi4"), ("thinkv-int", "int4")])
+def test_preset_stores_keep_pools_the_cuda_kernel_takes(preset, fmt):
+    """The pools a preset's store gives the attention are the layouts the kernel was written for."""
+    policy = Policy.from_preset(preset)
+    store = policy.make_store(2, 2, 128, torch.bfloat16, torch.device("cpu"))
+    n = 300
+    kv = torch.randn(2, 2, n, 128).to(torch.bfloat16)
+    store.append(kv, kv, torch.ones(2, n, dtype=torch.bool), torch.zeros(2, n, dtype=torch.long))
+    pools = [s for s in store.attention_sources() if s.key.fmt != "dense"]
+    query = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
+    assert pools and all(native.kernel_format(s) == fmt and native.fits(query, s) for s in pools)
 
 
 def test_cpu_steps_never_plan_the_native_kernel():
@@ -133,9 +163,11 @@ NVFP4_SHAPES = [(1, 64, 4), (4, 128, 2), (8, 128, 1), (4, 64, 2), (8, 64, 1), (1
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,group,head_dim,H", [("nvfp4", *shape) for shape in NVFP4_SHAPES]
                          + [("int", *shape) for shape in NVFP4_SHAPES]
-                         + [(fmt, *shape) for fmt in ("ternary", "int2") for shape in NVFP4_SHAPES if shape[1] == 128])
+                         + [("kivi4", *shape) for shape in NVFP4_SHAPES]
+                         + [(fmt, *shape) for fmt in ("ternary", "int2", "kivi2") for shape in NVFP4_SHAPES
+                            if shape[1] == 128])
 def test_cuda_native_kernel_matches_reference(fmt, group, head_dim, H):
-    """Every GQA group (1, 2, 4, 8) and head dim (64, 128; ternary and INT2: 128; "int" is INT4), with
+    """Every GQA group (1, 2, 4, 8) and head dim (64, 128; ternary, INT2 and KIVI-2: 128; "int" is INT4), with
     1 to 8 KV heads; holes, the recent buffer, empty rows, extents, and another format's pool beside it."""
     lengths = [1, 0, 3000, 700, 16, 4097, 33]
     src = make_source(fmt, lengths, H, head_dim, device="cuda")
@@ -173,7 +205,7 @@ def test_the_buffer_beside_the_cuda_kernel_in_the_merge_or_in_its_own_launch(mos
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "ternary", "int", "int2"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "ternary", "int", "int2", "kivi2", "kivi4"])
 @pytest.mark.parametrize("dtype,magnitude", [(torch.float16, 1.0), (torch.bfloat16, 1.0e5), (torch.bfloat16, 1e-3)])
 def test_cuda_native_kernel_keeps_any_query(fmt, dtype, magnitude):
     lengths = [300, 0, 1000]
@@ -186,7 +218,7 @@ def test_cuda_native_kernel_keeps_any_query(fmt, dtype, magnitude):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "ternary", "int", "int2"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "ternary", "int", "int2", "kivi2"])
 def test_cuda_native_kernel_replays_in_a_graph(fmt):
     lengths = [500, 20, 1200]
     src = make_source(fmt, lengths, 2, 128, device="cuda")

@@ -59,6 +59,13 @@ def operand(fmt, x, row_of, B, role, g):
         hs = (torch.rand(B, H, generator=g) * 4 + 2) * UNIT[fmt]
         p = registry.build("quantizer", fmt).quantize(x, head_scale=hs[row_of], backend="torch")
         return KVOperand(fmt, p.codes, scale=getattr(p, "block_scales", None), head_scale=hs)
+    if fmt.startswith("kivi"):  # "kivi2", "kivi4": keys per channel over 32 slots, values per token over the head
+        bits = int(fmt[-1])
+        spec = {"name": "int", "bits": bits, "layout": "kivi", "token_group": 32}
+        p = registry.build("quantizer", spec).quantize(x, role=role, backend="torch")
+        if role == "key":
+            return KVOperand("int_channel", p.codes, p.scale, p.minimum, bits=bits, token_group=32)
+        return KVOperand("int", p.codes, p.scale, p.minimum, bits=bits)
     if fmt in ("int", "int2") or role == "value":  # "int": INT4, "int2": INT2, both in groups of 32 channels
         bits = 2 if fmt == "int2" else 4
         p = registry.build("quantizer", {"name": "int", "bits": bits, "group_size": 32}).quantize(x, backend="torch")
@@ -68,7 +75,11 @@ def operand(fmt, x, row_of, B, role, g):
     return KVOperand("int_channel", p.codes, p.scale, p.minimum, bits=2, token_group=16)
 
 
-def make_source(fmt, lengths, H, D, dtype=torch.bfloat16, bs=16, holes=False, seed=0, device="cpu"):
+def make_source(fmt, lengths, H, D, dtype=torch.bfloat16, bs=None, holes=False, seed=0, device="cpu"):
+    """A pool of ``fmt`` keys and values in ``bs``-slot blocks (16; KIVI: 32-slot blocks, one token group
+    each, head-major as the store keeps them)."""
+    kivi = fmt.startswith("kivi")
+    bs = bs or (32 if kivi else 16)
     g = torch.Generator().manual_seed(seed)
     table, valid, row_of = block_table(lengths, bs, holes, g)
     n = valid.numel()
@@ -76,7 +87,7 @@ def make_source(fmt, lengths, H, D, dtype=torch.bfloat16, bs=16, holes=False, se
     v = torch.randn(n, H, D, generator=g).to(dtype)
     src = PagedSource(operand(fmt, k, row_of, len(lengths), "key", g),
                       operand(fmt, v, row_of, len(lengths), "value", g), table, bs, valid)
-    return to_device(src, device)
+    return to_device(head_major(src) if kivi else src, device)
 
 
 def to_device(src, device):

@@ -195,7 +195,7 @@ def _native_plans(q: torch.Tensor, sources: list[PagedSource], scores: bool, nat
     plans, first = {}, 0
     for i in take:
         per_sm = native_kernel.resident_programs(q.device.index or 0, q.shape[-1], q.dtype == torch.bfloat16,
-                                                 native_kernel.kernel_format(sources[i].key))
+                                                 native_kernel.kernel_format(sources[i]))
         tokens = sources[i].tokens
         n = plan_splits(B * H, tokens, q.device, per_sm, NATIVE_TILE)
         per = cdiv(cdiv(tokens, n), NATIVE_TILE) * NATIVE_TILE

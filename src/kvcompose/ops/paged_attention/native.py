@@ -1,5 +1,5 @@
-"""The CUDA decode kernel of NVFP4, ternary, INT4 and INT2 pools (``native_packed.cu``), built on first
-use, and when it runs.
+"""The CUDA decode kernel of NVFP4, ternary, INT4, INT2 and KIVI pools (``native_packed.cu``), built on
+first use, and when it runs.
 
 The Triton partial kernel decodes every format; for NVFP4 keys and values it spends most of
 its instructions moving decoded values into the tensor cores' operand layout, and reads
@@ -9,7 +9,9 @@ the ``.cu`` file). Ternary pools (ThinKV's T class) share its code path: both fo
 E4M3 scale per 16 channels, and only the decoding of a code word differs. INT4 and INT2 pools in
 groups of 32 channels with fp16 scales (the ``int`` quantizer's ``group_size=32``, what ``thinkv-int``
 keeps) take it too: a code becomes ``code x scale + minimum`` in fp16 by a mask, an OR, a subtraction
-and a fused multiply-add per pair of values. It writes partial
+and a fused multiply-add per pair of values. KIVI pools (the ``kivi2`` and ``kivi4`` presets: keys per
+channel over token groups of 32, values per token over the whole head) take it with their key scales
+folded into the queries once per tile. It writes partial
 results in the Triton merge kernel's layout, so the two kernels share one merge.
 
 It is built with ``torch.utils.cpp_extension.load_inline`` the first time a step could use
@@ -40,54 +42,85 @@ ENABLED = os.environ.get("KVCOMPOSE_NATIVE_ATTENTION", "1") != "0"
 #: Formats the CUDA kernel decodes (keys and values alike; :func:`kernel_format` names an operand's),
 #: its ``fmt`` codes, and the head dims each is compiled for (a thread reads a whole code word of
 #: every value row: 16 ternary or INT2 codes are 16 channels, an eighth of 128).
-FORMATS = {"nvfp4": 0, "ternary": 1, "int4": 2, "int2": 3}
-FORMAT_HEAD_DIMS = {"nvfp4": (64, 128), "ternary": (128,), "int4": (64, 128), "int2": (128,)}
+FORMATS = {"nvfp4": 0, "ternary": 1, "int4": 2, "int2": 3, "kivi4": 4, "kivi2": 5}
+FORMAT_HEAD_DIMS = {"nvfp4": (64, 128), "ternary": (128,), "int4": (64, 128), "int2": (128,), "kivi4": (64, 128),
+                    "kivi2": (128,)}
 INT_GROUP = 32  # channels per fp16 scale and minimum of the INT formats the kernel reads
+KIVI_TOKEN_GROUP = 32  # tokens per KIVI key scale: one tile of the kernel
 #: The pools it reads, in words (the log line, :func:`kvcompose.speed.attention_kernels`).
-POOLS = "NVFP4, ternary, INT4 and INT2 pools"
+POOLS = "NVFP4, ternary, INT4, INT2 and KIVI pools"
 #: Head dims where ``backend=None`` picks the CUDA kernel: measured on an H200
 #: (``benchmarks/results/attention_gpu.json``, head-major pools, 2026-11-29T05:21:35), it beat the
 #: Triton kernel at 128 (1.20-1.78x on NVFP4, 1.16-1.40x on ternary, 1.29-2.28x on INT4 and
 #: 1.35-1.92x on INT2 pools, 1.37-1.49x on ThinKV's store and 1.45-1.79x on thinkv-int's) and at 64
 #: on NVFP4 (1.18x at 16 x 8K) and INT4 pools (1.50x, 2026-11-29T06:00:12), and tied it there on
-#: ThinKV's store (1.03x; its ternary pool stays in Triton).
+#: ThinKV's store (1.03x; its ternary pool stays in Triton). On KIVI pools (2026-11-29T07:49:24,
+#: 1 x 32K to 256 x 1K): 1.42-2.58x on KIVI-2 and 1.34-2.03x on KIVI-4 at 128, 3.86x on KIVI-4 at 64.
 AUTO_HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head: the mma's 8 columns
 SOURCE = Path(__file__).with_name("native_packed.cu")
 _STATE: dict = {}  # device index -> (module or None, reason)
 
 
-def kernel_format(op) -> str | None:
-    """The kernel's name of an operand's format (:data:`FORMATS`), or None where it does not read it:
-    ``nvfp4``, ``ternary``, and ``int4`` / ``int2`` for INT operands grouped per token in groups of
-    ``INT_GROUP`` channels with fp16 scales and minimums."""
-    if op.fmt in ("nvfp4", "ternary"):
-        return op.fmt
-    if op.fmt == "int" and op.bits in (2, 4) and op.minimum is not None \
-            and op.scale.dtype == op.minimum.dtype == torch.float16 \
-            and op.scale.shape == op.minimum.shape and op.scale.shape[-1] * INT_GROUP == op.head_dim():
-        return f"int{op.bits}"
+def kernel_format(src: PagedSource) -> str | None:
+    """The kernel's name of a source's format (:data:`FORMATS`), or None where it does not read it:
+    ``nvfp4`` and ``ternary`` keys and values; ``int4`` / ``int2`` for INT keys and values grouped per
+    token in groups of ``INT_GROUP`` channels; ``kivi4`` / ``kivi2`` for KIVI keys (per channel over
+    ``KIVI_TOKEN_GROUP`` tokens) with INT values grouped per token over the whole head. INT scales and
+    minimums in fp16."""
+    key, value = src.key, src.value
+    if key.fmt == value.fmt and key.fmt in ("nvfp4", "ternary"):
+        return key.fmt
+    if key.bits != value.bits or not _int_per_token(value, INT_GROUP if key.fmt == "int" else value.head_dim()):
+        return None
+    if key.fmt == "int" and _int_per_token(key, INT_GROUP):
+        return f"int{key.bits}"
+    if key.fmt == "int_channel" and key.token_group == KIVI_TOKEN_GROUP and _fp16_pair(key) \
+            and key.scale.shape[1:] == (key.codes.shape[1], key.head_dim()) and key.scale.is_contiguous() \
+            and key.minimum.is_contiguous():
+        return f"kivi{key.bits}"
     return None
 
 
+def _fp16_pair(op) -> bool:
+    return op.minimum is not None and op.scale.dtype == op.minimum.dtype == torch.float16 \
+        and op.scale.shape == op.minimum.shape
+
+
+def _int_per_token(op, group: int) -> bool:
+    """INT-2 or INT-4 with an fp16 scale and minimum per ``group`` channels of a token."""
+    return op.fmt == "int" and op.bits in (2, 4) and _fp16_pair(op) and op.scale.shape[-1] * group == op.head_dim()
+
+
 def fits(query: torch.Tensor, src: PagedSource) -> bool:
-    """Whether the CUDA kernel takes this source and query: NVFP4 or INT4 keys and values (head
-    dim 64 or 128), ternary or INT2 ones (head dim 128; INT: groups of 32 channels, fp16 scales),
-    a bf16 or fp16 query, at most ``MAX_GROUP`` query heads per KV head."""
+    """Whether the CUDA kernel takes this source and query: a format it reads (:func:`kernel_format`) at
+    a head dim it is compiled for (NVFP4, INT4 and KIVI-4: 64 and 128; ternary, INT2 and KIVI-2: 128), a
+    bf16 or fp16 query, at most ``MAX_GROUP`` query heads per KV head; KIVI pools also in blocks of a
+    multiple of 32 slots with the value scales of consecutive slots adjacent (head-major rows, the
+    default), so that a tile's scales are one copy each."""
     H = src.key.codes.shape[1]
-    fmt = kernel_format(src.key)
-    return (fmt is not None and kernel_format(src.value) == fmt and query.shape[-1] in FORMAT_HEAD_DIMS[fmt]
+    fmt = kernel_format(src)
+    return (fmt is not None and query.shape[-1] in FORMAT_HEAD_DIMS[fmt]
             and query.dtype in (torch.bfloat16, torch.float16) and query.shape[1] // H <= MAX_GROUP
             and src.table.dtype == torch.int64 and _addressable(src)
             and src.block_size >= 4 and src.block_size & (src.block_size - 1) == 0  # the kernel shifts by it
             and src.valid.data_ptr() % 4 == 0  # validity is copied four slots at once
             and max(src.key.codes.numel(), src.value.codes.numel()) < 2 ** 32  # the kernel's 32-bit offsets
-            and all(t.data_ptr() % 16 == 0 for op in (src.key, src.value) for t in _pool_tensors(op)))
+            and all(t.data_ptr() % 16 == 0 for op in (src.key, src.value) for t in _pool_tensors(op))
+            and (not fmt.startswith("kivi") or _kivi_tiles(src)))
+
+
+def _kivi_tiles(src: PagedSource) -> bool:
+    """A KIVI source whose every 32-token tile is one token group of one block, with its value scales and
+    minimums one run of bytes each."""
+    value = src.value
+    return src.block_size % KIVI_TOKEN_GROUP == 0 and all(t.stride(0) == 1 or t.shape[1] == 1
+                                                        for t in (value.scale, value.minimum))
 
 
 def _pool_tensors(op) -> list[torch.Tensor]:
     """The tensors of an operand the kernel copies per slot: codes, scales, and the INT formats' minimums."""
-    return [op.codes, op.scale] + ([op.minimum] if op.fmt == "int" else [])
+    return [op.codes, op.scale] + ([op.minimum] if op.fmt.startswith("int") else [])
 
 
 def _addressable(src: PagedSource) -> bool:
@@ -111,7 +144,7 @@ def module(device: torch.device):
 
 
 def native_status(device: torch.device | None = None) -> dict:
-    """Which kernel decodes NVFP4, ternary, INT4 and INT2 pools on ``device`` and why: ``{"kernel": "cuda" | "triton",
+    """Which kernel decodes the pools it reads (:data:`POOLS`) on ``device`` and why: ``{"kernel": "cuda" | "triton",
     "reason": ...}``. Builds the extension if it was not tried yet."""
     if device is None or device.type != "cuda":
         if not torch.cuda.is_available():
@@ -175,7 +208,7 @@ def pool_of(src: PagedSource) -> tuple:
     tensors = (src.valid, key.codes, key.scale, key.minimum, key.head_scale, value.codes, value.scale, value.minimum,
                value.head_scale)
     return tuple(None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-                 for t in tensors) + (src.block_size, kernel_format(key))
+                 for t in tensors) + (src.block_size, kernel_format(src))
 
 
 def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int, int, int]], part: torch.Tensor,
@@ -186,10 +219,10 @@ def launch_partial(built, q: torch.Tensor, regions: list[tuple[PagedSource, int,
     sources, firsts, per_split, n_splits = zip(*regions)
     src = sources[0]
     key, value = src.key, src.value
-    fmt = kernel_format(key)
+    fmt = kernel_format(src)
     no_extent = device_constant((), q.device, torch.int64)  # empty: the kernel bounds that region by its table
     none, no_scale = (device_constant((), q.device, t) for t in (torch.uint8, torch.float32))  # what it lacks
-    integer = fmt.startswith("int")  # fp16 scales and minimums, read as bytes; no second-level scales
+    integer = fmt.startswith(("int", "kivi"))  # fp16 scales and minimums, read as bytes; no second-level scales
 
     def scales(op) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if integer:

@@ -1,5 +1,5 @@
-// Paged decode attention over an NVFP4, ternary, INT4 or INT2 pool, one warp per (row, KV head, split), for
-// sm_89+.
+// Paged decode attention over an NVFP4, ternary, INT4, INT2 or KIVI pool, one warp per (row, KV head, split),
+// for sm_89+.
 //
 // Why a hand-written kernel: decoding 4-bit codes costs instructions, and a step of decode
 // attention has a budget of about one warp instruction per five bytes read at memory speed.
@@ -29,6 +29,11 @@
 //   one fused multiply-add per pair of values give code x scale + minimum, rounded once. They take
 //   a code from each half of a word at once, so their keys' and values' channel orders differ from
 //   word_channel's (key_channel, value_channel).
+// * KIVI pools (INT4 or INT2) keep the values so (one scale and minimum per token and head), and the keys
+//   per channel: a scale and minimum per channel over a group of 32 tokens, one tile. Their scales go into
+//   the queries once per tile (q x scale: one multiply per pair of channels) and their minimums into one
+//   bias per query head (q . minimum, one mma per k-step whose every row is the minimums), so the key
+//   codes reach the mma as the exact small integers they are: a mask, an OR and a subtraction per pair.
 //
 // The program writes one partial result (output and log2-sum-exp) in the layout the Triton
 // merge kernel reads, so the recent buffer and other sources join in the same merge.
@@ -43,19 +48,28 @@ namespace {
 
 constexpr int TILE = 32;    // tokens per step of a warp's loop: one per lane
 constexpr int STAGES = 2;  // tiles in a program's shared-memory ring (see Stage)
-constexpr int NVFP4 = 0, TERNARY = 1, INT4 = 2, INT2 = 3;  // code formats (the host's `fmt`)
+constexpr int NVFP4 = 0, TERNARY = 1, INT4 = 2, INT2 = 3, KIVI4 = 4, KIVI2 = 5;  // code formats (the host's `fmt`)
 constexpr int INT_GROUP = 32;  // channels per fp16 scale and minimum of the INT formats
+
+// KIVI: keys per channel over a tile's tokens, values per token over the whole head (both asymmetric INT-k)
+__host__ __device__ constexpr bool kivi_format(int f) { return f == KIVI4 || f == KIVI2; }
+// asymmetric INT-k values: code x scale + minimum, an fp16 scale and minimum per group of channels of a token
+__host__ __device__ constexpr bool int_format(int f) { return f == INT4 || f == INT2 || kivi_format(f); }
+__host__ __device__ constexpr int code_bits(int f) { return f == NVFP4 || f == INT4 || f == KIVI4 ? 4 : 2; }
 
 template <int F, int D>
 struct Shape {
-  static constexpr bool INT = F == INT4 || F == INT2;  // asymmetric INT-k: code x scale + minimum per group
-  static constexpr int PER_BYTE = F == TERNARY || F == INT2 ? 4 : 2;  // codes per byte
+  static constexpr bool KIVI = kivi_format(F);
+  static constexpr bool INT = int_format(F);
+  static constexpr int PER_BYTE = 8 / code_bits(F);  // codes per byte
   static constexpr int ROW = D / PER_BYTE;  // code bytes per (token, head)
   static constexpr int CHUNKS = ROW / 16;   // 16-byte chunks of a code row
   static constexpr int REGS = 2 * PER_BYTE;  // fp16 pairs a 32-bit code word decodes into
   static constexpr int WORD_CHANNELS = 4 * PER_BYTE;
-  // scale bytes per (token, head): E4M3 per 16 channels, or fp16 per INT group (the minimums likewise)
-  static constexpr int SCALE_ROW = INT ? 2 * D / INT_GROUP : D / 16;
+  static constexpr int VGROUP = KIVI ? D : INT_GROUP;  // channels per fp16 scale of the INT formats' values
+  // scale bytes per (token, head): E4M3 per 16 channels, or fp16 per INT group (the minimums likewise); KIVI:
+  // of the values only (its keys' scales: a row of D fp16 per tile)
+  static constexpr int SCALE_ROW = INT ? 2 * D / VGROUP : D / 16;
   // what decoding leaves out of the values: 2^6 for the E4M3 trick (folded into the key and output scales)
   static constexpr float UNSCALED = INT ? 1.f : 64.f;
   static constexpr int KWORDS = ROW / 16;   // 32-bit code words of a thread's key quarter
@@ -153,35 +167,44 @@ __device__ __forceinline__ void ternary_word(uint32_t w, uint32_t s2, uint32_t* 
   for (int i = 0; i < 4; ++i) e4m3x4_scaled(ternary_bytes(w, i), s2, out + 2 * i);
 }
 
-// INT-k codes in bits [0, k) of each half of x (k = 8 / codes per byte) as the fp16 pair
-// code x scale + minimum (s2, m2: fp16 pairs): OR-ing a code into the mantissa of 1024 gives
-// 1024 + code exactly, the subtraction leaves the code, and the fused multiply-add rounds once
-// (as the reference's fp32 decode rounded to fp16 does).
+// INT-k codes in bits [0, k) of each half of x (k = code_bits) as the fp16 pair of the codes themselves:
+// OR-ing a code into the mantissa of 1024 gives 1024 + code exactly, and the subtraction leaves the code.
 template <int F>
-__device__ __forceinline__ uint32_t int_pair(uint32_t x, uint32_t s2, uint32_t m2) {
-  constexpr uint32_t MASK = F == INT4 ? 0x000F000Fu : 0x00030003u;
+__device__ __forceinline__ uint32_t code_pair(uint32_t x) {
+  constexpr uint32_t MASK = code_bits(F) == 4 ? 0x000F000Fu : 0x00030003u;
   const uint32_t biased = (x & MASK) | 0x64006400u;
   uint32_t r;
-  asm("{\n.reg .b32 c;\nsub.rn.f16x2 c, %1, %2;\nfma.rn.f16x2 %0, c, %3, %4;\n}\n"
-      : "=r"(r) : "r"(biased), "r"(0x64006400u), "r"(s2), "r"(m2));
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(biased), "r"(0x64006400u));
   return r;
 }
 
-// One INT-k code word of one token: out[r] = channels (r, r + REGS) of the word (key_channel's order).
-template <int F, int REGS>
-__device__ __forceinline__ void int_word(uint32_t w, uint32_t s2, uint32_t m2, uint32_t* out) {
-  constexpr int BITS = F == INT4 ? 4 : 2;
-#pragma unroll
-  for (int r = 0; r < REGS; ++r) out[r] = int_pair<F>(w >> (BITS * r), s2, m2);
+// The same codes as the fp16 pair code x scale + minimum (s2, m2: fp16 pairs): the fused multiply-add
+// rounds once (as the reference's fp32 decode rounded to fp16 does).
+template <int F>
+__device__ __forceinline__ uint32_t int_pair(uint32_t x, uint32_t s2, uint32_t m2) {
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(code_pair<F>(x)), "r"(s2), "r"(m2));
+  return r;
 }
 
-// One code word of format F decoded into Shape::REGS fp16 pairs (key_channel's order); m2: the
-// INT formats' minimum pair (unused by the others).
+// One INT-k code word of one token: out[r] = channels (r, r + REGS) of the word (key_channel's order),
+// as code x scale + minimum, or (SCALED false: KIVI keys) as the codes.
+template <int F, int REGS, bool SCALED = true>
+__device__ __forceinline__ void int_word(uint32_t w, uint32_t s2, uint32_t m2, uint32_t* out) {
+#pragma unroll
+  for (int r = 0; r < REGS; ++r) {
+    const uint32_t x = w >> (code_bits(F) * r);
+    out[r] = SCALED ? int_pair<F>(x, s2, m2) : code_pair<F>(x);
+  }
+}
+
+// One key code word of format F decoded into Shape::REGS fp16 pairs (key_channel's order); m2: the
+// INT formats' minimum pair (unused by the others). KIVI keys stay codes (their scales are in the queries).
 template <int F>
 __device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t m2, uint32_t* out) {
   if constexpr (F == TERNARY) ternary_word(w, s2, out);
-  else if constexpr (F == INT4) int_word<F, 4>(w, s2, m2, out);
-  else if constexpr (F == INT2) int_word<F, 8>(w, s2, m2, out);
+  else if constexpr (kivi_format(F)) int_word<F, 16 / code_bits(F), false>(w, s2, m2, out);
+  else if constexpr (int_format(F)) int_word<F, 16 / code_bits(F)>(w, s2, m2, out);
   else fp4_word(w, s2, out);
 }
 
@@ -194,10 +217,10 @@ __device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t m2
 // byte permutes that interleaving the decoded pairs would.
 template <int F>
 __device__ __forceinline__ void decode_token_pair(uint32_t w0, uint32_t w1, uint32_t s2, uint32_t m2, uint32_t* out) {
-  if constexpr (F == INT4 || F == INT2) {
+  if constexpr (int_format(F)) {
     // the first half-words of both tokens side by side, then the second: each half of x0 (x1) holds
     // one token's codes of the word's first (second) half, so one shift and mask give a channel of both
-    constexpr int BITS = F == INT4 ? 4 : 2, HALF = 8 / BITS * 2;  // codes per half-word
+    constexpr int BITS = code_bits(F), HALF = 8 / BITS * 2;  // codes per half-word
     const uint32_t x0 = __byte_perm(w0, w1, 0x5410), x1 = __byte_perm(w0, w1, 0x7632);
 #pragma unroll
     for (int c = 0; c < HALF; ++c) {
@@ -269,6 +292,10 @@ struct Tile {
   uint32_t v[8][Shape<F, D>::VWORDS];
   uint32_t vscale[8];
   uint32_t kmin[4], vmin[8];  // the INT formats' fp16 minimums (the scales then: fp16 too)
+  // KIVI: the queries times the tile's key scales (the key product's B operand) and q . minimum of the
+  // lane's two query heads
+  uint32_t qs[Shape<F, D>::KIVI ? Shape<F, D>::KSTEPS : 1][2];
+  float bias[2];
   bool lane_ok;
 };
 
@@ -290,6 +317,7 @@ struct Pools {
   const uint8_t* __restrict__ vm;
   uint32_t code_stride, scale_stride;  // bytes from a slot to the next: H x row bytes, H x scale row (head-major: one row)
   uint32_t code_at, scale_at;          // the head's offsets (head-major: its first row)
+  uint32_t group_stride, group_at;     // KIVI keys' scales [token groups, H, D]: bytes per group, the head's offset
 };
 
 // One stage of a program's shared-memory ring: a tile as it lies in the pools, copied by cp.async
@@ -308,11 +336,13 @@ struct Pools {
 // row) sits at i ^ (2 (i >> 3) & 6), which spreads every NVFP4 fragment read below over all banks.
 template <int F, int D>
 struct Stage {
-  static constexpr int CODES = TILE * Shape<F, D>::ROW;  // code bytes of the tile, per operand
-  static constexpr int SCALES = TILE * Shape<F, D>::SCALE_ROW;  // scale bytes of the tile, per operand
-  static constexpr int MINS = Shape<F, D>::INT ? SCALES : 0;    // minimum bytes, likewise
-  static constexpr int K = 0, V = CODES, KS = 2 * CODES, VS = KS + SCALES, KM = VS + SCALES, VM = KM + MINS;
-  static constexpr int VALID = VM + MINS;
+  using S = Shape<F, D>;
+  static constexpr int CODES = TILE * S::ROW;          // code bytes of the tile, per operand
+  static constexpr int VSCALES = TILE * S::SCALE_ROW;  // value scale bytes of the tile
+  static constexpr int KSCALES = S::KIVI ? 2 * D : VSCALES;  // key scale bytes (KIVI: the tile's group, fp16 per channel)
+  static constexpr int KMINS = S::INT ? KSCALES : 0, VMINS = S::INT ? VSCALES : 0;  // minimum bytes, likewise
+  static constexpr int K = 0, V = CODES, KS = 2 * CODES, VS = KS + KSCALES, KM = VS + VSCALES, VM = KM + KMINS;
+  static constexpr int VALID = VM + VMINS;
   static constexpr int BYTES = VALID + TILE;
 };
 
@@ -356,13 +386,33 @@ __device__ __forceinline__ void issue_tile(uint32_t stage, int slot, const Pools
     copy_async<16>(stage + St::K + copy_at + 512 * i, p.kc + from, ok);  // chunk i sits 32 chunks on
     copy_async<16>(stage + St::V + copy_at + 512 * i, p.vc + from, ok);
   }
-  constexpr int SR = Shape<F, D>::SCALE_ROW;
-  const uint32_t at = (uint32_t)max(slot, 0) * p.scale_stride + p.scale_at;
-  copy_async<SR>(stage + St::KS + SR * lane, p.ks + at, slot >= 0);
-  copy_async<SR>(stage + St::VS + SR * lane, p.vs + at, slot >= 0);
-  if constexpr (Shape<F, D>::INT) {
-    copy_async<SR>(stage + St::KM + SR * lane, p.km + at, slot >= 0);
-    copy_async<SR>(stage + St::VM + SR * lane, p.vm + at, slot >= 0);
+  if constexpr (Shape<F, D>::KIVI) {
+    // 16 bytes per copy: the key group's scales and minimums (a row of D fp16 each; the tile's 32 tokens
+    // are one token group of one block, found from its first slot), then the value scales and minimums of
+    // its 32 slots (an fp16 each, a run of 64 bytes: head-major rows)
+    constexpr int ROW_CHUNKS = 2 * D / 16;
+    const int first = __shfl_sync(0xffffffffu, slot, 0);
+    const uint32_t f = (uint32_t)max(first, 0);
+    if (lane < 2 * ROW_CHUNKS) {
+      const int c = lane % ROW_CHUNKS;
+      const uint32_t at = f / TILE * p.group_stride + p.group_at + 16 * c;
+      copy_async<16>(stage + (lane < ROW_CHUNKS ? St::KS : St::KM) + 16 * c, (lane < ROW_CHUNKS ? p.ks : p.km) + at,
+                     first >= 0);
+    }
+    if (lane < 8) {
+      const int c = lane % 4;
+      const uint32_t at = f * p.scale_stride + p.scale_at + 16 * c;
+      copy_async<16>(stage + (lane < 4 ? St::VS : St::VM) + 16 * c, (lane < 4 ? p.vs : p.vm) + at, first >= 0);
+    }
+  } else {
+    constexpr int SR = Shape<F, D>::SCALE_ROW;
+    const uint32_t at = (uint32_t)max(slot, 0) * p.scale_stride + p.scale_at;
+    copy_async<SR>(stage + St::KS + SR * lane, p.ks + at, slot >= 0);
+    copy_async<SR>(stage + St::VS + SR * lane, p.vs + at, slot >= 0);
+    if constexpr (Shape<F, D>::INT) {
+      copy_async<SR>(stage + St::KM + SR * lane, p.km + at, slot >= 0);
+      copy_async<SR>(stage + St::VM + SR * lane, p.vm + at, slot >= 0);
+    }
   }
   if ((lane & 3) == 0) copy_async<4>(stage + St::VALID + lane, p.valid + max(slot, 0), slot >= 0);
 }
@@ -412,17 +462,63 @@ __device__ __forceinline__ LaneAt lane_offsets(int lane, int gid, int tig) {
   return at;
 }
 
+__device__ __forceinline__ uint32_t mul_half2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// KIVI keys of one tile (one token group): qs = the query fragment times the group's scales, in its channel
+// order, and bias[e] = q . minimum of query head 2 tig + e (by mma: every row of its A operand holds the
+// minimums, so every row of the result is the bias). A word's register r holds channels (r, r + R) of the
+// word (key_channel), whose scales are halves of the word's fp16 pairs r / 2 and r / 2 + R / 2.
+template <int F, int D>
+__device__ __forceinline__ void kivi_queries(uint32_t stage, const uint32_t (*qf)[2], int tig, uint32_t (*qs)[2],
+                                             float* bias) {
+  using S = Shape<F, D>;
+  using St = Stage<F, D>;
+  constexpr int R = S::REGS;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t quarter = (D / 2) * tig;  // the lane's key quarter in a row of fp16
+#pragma unroll
+  for (int w = 0; w < S::KWORDS; ++w) {
+    uint32_t sc[R], mn[R];  // the word's scales and minimums as fp16 pairs of channels (2 i, 2 i + 1)
+#pragma unroll
+    for (int i = 0; i < R / 4; ++i) {
+      load_shared<4>(stage + St::KS + quarter + 4 * R * w + 16 * i, sc + 4 * i);
+      load_shared<4>(stage + St::KM + quarter + 4 * R * w + 16 * i, mn + 4 * i);
+    }
+#pragma unroll
+    for (int r = 0; r < R; r += 2) {  // registers r and r + 1 of the word: one k-step
+      const int kk = (R * w + r) / 2;
+      uint32_t m[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int rr = r + h;
+        const uint32_t sel = rr % 2 ? 0x7632 : 0x5410;
+        qs[kk][h] = mul_half2(qf[kk][h], __byte_perm(sc[rr / 2], sc[rr / 2 + R / 2], sel));
+        m[h] = __byte_perm(mn[rr / 2], mn[rr / 2 + R / 2], sel);
+      }
+      mma16816(c, m[0], m[0], m[1], m[1], qf[kk][0], qf[kk][1]);
+    }
+  }
+  bias[0] = c[0], bias[1] = c[1];
+}
+
 // A lane's fragments of one tile, read from its stage; `live`: the lane's token is in the split.
 template <int F, int D>
 __device__ __forceinline__ void read_tile(Tile<F, D>& t, uint32_t stage, const LaneAt& at, bool live, int gid,
-                                          int tig, int lane) {
+                                          int tig, int lane, const uint32_t (*qf)[2]) {
   using S = Shape<F, D>;
   using St = Stage<F, D>;
+  if constexpr (S::KIVI) kivi_queries<F, D>(stage, qf, tig, t.qs, t.bias);
 #pragma unroll
   for (int kt = 0; kt < 4; ++kt) {
     const int tok = key_token(kt, gid);
     load_shared<S::KWORDS>(stage + St::K + at.k[kt & 1] + 16 * S::ROW * (kt >> 1), t.k[kt]);
-    if constexpr (S::INT) {  // the fp16 scale and minimum of the group of the lane's key quarter
+    if constexpr (S::KIVI) {
+      // no per-token key scales
+    } else if constexpr (S::INT) {  // the fp16 scale and minimum of the group of the lane's key quarter
       const uint32_t g = S::SCALE_ROW * tok + 2 * ((D / 4) * tig / INT_GROUP);
       t.kscale[kt] = load_shared_u16(stage + St::KS + g);
       t.kmin[kt] = load_shared_u16(stage + St::KM + g);
@@ -436,7 +532,7 @@ __device__ __forceinline__ void read_tile(Tile<F, D>& t, uint32_t stage, const L
     const int tok = value_token(vt, tig);
     load_shared<S::VWORDS>(stage + St::V + at.v[vt & 3] + 16 * S::ROW * (vt >> 2), t.v[vt]);
     if constexpr (S::INT) {  // the group of the lane's value eighth
-      const uint32_t g = S::SCALE_ROW * tok + 2 * ((D / 8) * gid / INT_GROUP);
+      const uint32_t g = S::SCALE_ROW * tok + 2 * ((D / 8) * gid / S::VGROUP);
       t.vscale[vt] = load_shared_u16(stage + St::VS + g);
       t.vmin[vt] = load_shared_u16(stage + St::VM + g);
     } else {
@@ -479,11 +575,19 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
 
   // scores, transposed: s[j] = tokens 16 j + (gid, gid + 8) x query heads (2 tig, 2 tig + 1)
   float s[2][4];
+  const uint32_t (*kq)[2] = S::KIVI ? t.qs : qf;  // the key product's B operand: KIVI's carries the key scales
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    s[j][0] = s[j][2] = S::KIVI ? t.bias[0] : 0.f;
+    s[j][1] = s[j][3] = S::KIVI ? t.bias[1] : 0.f;
     uint32_t a0[2 * S::KSTEPS], a1[2 * S::KSTEPS];
-    if constexpr (S::INT) {  // one group's fp16 scale and minimum, twice, for every word of the quarter
+    if constexpr (S::KIVI) {  // the codes as they are
+#pragma unroll
+      for (int kw = 0; kw < S::KWORDS; ++kw) {
+        decode_word<F>(t.k[2 * j][kw], 0u, 0u, a0 + S::REGS * kw);
+        decode_word<F>(t.k[2 * j + 1][kw], 0u, 0u, a1 + S::REGS * kw);
+      }
+    } else if constexpr (S::INT) {  // one group's fp16 scale and minimum, twice, for every word of the quarter
       const uint32_t s0 = t.kscale[2 * j] * 0x10001u, s1 = t.kscale[2 * j + 1] * 0x10001u;
       const uint32_t m0 = t.kmin[2 * j] * 0x10001u, m1 = t.kmin[2 * j + 1] * 0x10001u;
 #pragma unroll
@@ -502,7 +606,7 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
     }
 #pragma unroll
     for (int kk = 0; kk < S::KSTEPS; ++kk)
-      mma16816(s[j], a0[2 * kk], a1[2 * kk], a0[2 * kk + 1], a1[2 * kk + 1], qf[kk][0], qf[kk][1]);
+      mma16816(s[j], a0[2 * kk], a1[2 * kk], a0[2 * kk + 1], a1[2 * kk + 1], kq[kk][0], kq[kk][1]);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const bool live = (key_ok >> (16 * j + 8 * (c >> 1))) & 1u;
@@ -574,8 +678,10 @@ struct Regions {
   int count;
 };
 
+// KIVI at head dim 128 held to 16 programs per SM (at most 128 registers, no spills; left alone, ptxas gave it
+// 143-150); the others as ptxas chooses (0: no minimum)
 template <int F, int D, typename T>
-__global__ void __launch_bounds__(32) packed_partial_kernel(
+__global__ void __launch_bounds__(32, kivi_format(F) && D == 128 ? 16 : 0) packed_partial_kernel(
     const T* __restrict__ q, float* __restrict__ part, float* __restrict__ lse, const uint8_t* __restrict__ valid,
     const uint8_t* __restrict__ kc, const uint8_t* __restrict__ ks, const float* __restrict__ khs,
     const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs, const float* __restrict__ vhs,
@@ -605,7 +711,8 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
   const int start = split * per, end = min(start + per, limit);
 
   // The query fragment (B operand of the key product), in the channel order of the key fragments,
-  // shifted by a power of two into fp16's range (exact for a bf16 query).
+  // shifted by a power of two into fp16's range (exact for a bf16 query): its largest magnitude into
+  // [2^14, 2^15), or for KIVI into [2^4, 2^5), which leaves room for the key scales it is multiplied by.
   float qv[S::KSTEPS][2][2];
   float amax = 0.f;
   const T* qrow = q + ((int64_t)row * Hq + head * G + gid) * D;
@@ -624,7 +731,8 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   const int ex = (__float_as_uint(amax) >> 23) & 0xFF;
-  const float shift = ex < 255 ? __uint_as_float((uint32_t)min(268 - ex, 254) << 23) : 1.f;
+  constexpr int TOP = S::KIVI ? 258 : 268;  // 127 + the target exponent + 127
+  const float shift = ex < 255 ? __uint_as_float((uint32_t)min(TOP - ex, 254) << 23) : 1.f;
   uint32_t qf[S::KSTEPS][2];
 #pragma unroll
   for (int kk = 0; kk < S::KSTEPS; ++kk)
@@ -644,7 +752,7 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
   const uint32_t slot_rows = head_rows > 0 ? 1u : (uint32_t)H;
   const uint32_t head_at = head_rows > 0 ? (uint32_t)head * (uint32_t)head_rows : (uint32_t)head;
   Pools p{valid, kc, ks, vc, vs, km, vm, slot_rows * S::ROW, slot_rows * S::SCALE_ROW, head_at * S::ROW,
-          head_at * S::SCALE_ROW};
+          head_at * S::SCALE_ROW, (uint32_t)H * 2 * D, (uint32_t)head * 2 * D};
   // The ring: tile i is copied into stage i % STAGES, STAGES - 1 tiles ahead of its use; the
   // block-table entries of the tile after the one being copied are loaded one step earlier still.
   __shared__ __align__(128) uint8_t ring[STAGES][Stage<F, D>::BYTES];
@@ -670,7 +778,7 @@ __global__ void __launch_bounds__(32) packed_partial_kernel(
     if (ahead < tiles) issue_tile<F, D>(base + (ahead % STAGES) * Stage<F, D>::BYTES, slot, p, lane, at.copy);
     commit_copies();
     read_tile<F, D>(tile, base + (i % STAGES) * Stage<F, D>::BYTES, at, start + i * TILE + lane < end, gid, tig,
-                    lane);
+                    lane, qf);
     attend_tile<F, D>(tile, st, qf, key_scale, gid, tig);
   }
 
@@ -736,6 +844,10 @@ void launch(const at::Tensor& q, at::Tensor& part, at::Tensor& lse, const std::v
   R.count = count;
   TORCH_CHECK(block_size >= 4 && (block_size & (block_size - 1)) == 0, "packed partial kernel: block size ",
               block_size, "; accepted: a power of two, at least 4");
+  constexpr bool KIVI = Shape<F, D>::KIVI;
+  TORCH_CHECK(!KIVI || (block_size % TILE == 0 && (head_rows > 0 || H == 1)),
+              "packed partial kernel: KIVI pools need blocks of a multiple of ", int(TILE), " slots (got ", block_size,
+              ") and head-major rows (a tile's value scales are one run of bytes)");
   int bs_shift = 0;
   while ((int64_t{1} << bs_shift) < block_size) ++bs_shift;
   TORCH_CHECK(splits <= 65535, "packed partial kernel: ", splits, " splits per (row, KV head); at most 65535");
@@ -759,9 +871,10 @@ int64_t resident() {
 
 }  // namespace
 
-// fmt: 0 NVFP4 and 2 INT4 (head dims 64 and 128), 1 ternary and 3 INT2 (head dim 128: a thread's value eighth
-// of 64 channels would be half a ternary or INT2 code word); the INT formats in groups of 32 channels, with fp16
-// scales and minimums in km / vm, empty for the others, and no second-level scales, khs / vhs empty.
+// fmt: 0 NVFP4, 2 INT4 and 4 KIVI4 (head dims 64 and 128), 1 ternary, 3 INT2 and 5 KIVI2 (head dim 128: a
+// thread's value eighth of 64 channels would be half a 2-bit code word); the INT formats in groups of 32 channels
+// (KIVI: keys per channel over 32 tokens, [token groups, H, D], values per token over the head), with fp16 scales
+// and minimums in km / vm, empty for the others, and no second-level scales, khs / vhs empty.
 void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<at::Tensor> tables, at::Tensor valid,
                     at::Tensor kc, at::Tensor ks, at::Tensor khs, at::Tensor vc, at::Tensor vs, at::Tensor vhs,
                     at::Tensor km, at::Tensor vm, std::vector<at::Tensor> extents, int64_t block_size,
@@ -769,14 +882,18 @@ void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<a
                     int64_t total, double qk_scale, int64_t fmt, int64_t head_rows) {
   const int64_t D = q.size(-1);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(((fmt == NVFP4 || fmt == INT4) && (D == 64 || D == 128)) || ((fmt == TERNARY || fmt == INT2) && D == 128),
-              "packed partial kernel: format ", fmt, " at head dim ", D, " not compiled; accepted: nvfp4 (0) and "
-              "int4 (2) at 64 and 128, ternary (1) and int2 (3) at 128");
+  TORCH_CHECK(((fmt == NVFP4 || fmt == INT4 || fmt == KIVI4) && (D == 64 || D == 128)) ||
+              ((fmt == TERNARY || fmt == INT2 || fmt == KIVI2) && D == 128),
+              "packed partial kernel: format ", fmt, " at head dim ", D, " not compiled; accepted: nvfp4 (0), "
+              "int4 (2) and kivi4 (4) at 64 and 128, ternary (1), int2 (3) and kivi2 (5) at 128");
 #define KVC_LAUNCH(FMT, DIM) \
   if (bf16) launch<FMT, DIM, __nv_bfloat16>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, extents, \
                                             block_size, per_split, n_splits, first, total, qk_scale, head_rows); \
   else launch<FMT, DIM, __half>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, extents, block_size, \
                                 per_split, n_splits, first, total, qk_scale, head_rows)
+  if (fmt == KIVI4 && D == 128) { KVC_LAUNCH(KIVI4, 128); return; }
+  if (fmt == KIVI4) { KVC_LAUNCH(KIVI4, 64); return; }
+  if (fmt == KIVI2) { KVC_LAUNCH(KIVI2, 128); return; }
   if (fmt == TERNARY) { KVC_LAUNCH(TERNARY, 128); }
   else if (fmt == INT4 && D == 128) { KVC_LAUNCH(INT4, 128); }
   else if (fmt == INT4) { KVC_LAUNCH(INT4, 64); }
@@ -788,6 +905,8 @@ void packed_partial(at::Tensor q, at::Tensor part, at::Tensor lse, std::vector<a
 
 int64_t packed_resident(int64_t D, bool bf16, int64_t fmt) {
 #define KVC_RESIDENT(FMT, DIM) (bf16 ? resident<FMT, DIM, __nv_bfloat16>() : resident<FMT, DIM, __half>())
+  if (fmt == KIVI4) return D == 128 ? KVC_RESIDENT(KIVI4, 128) : KVC_RESIDENT(KIVI4, 64);
+  if (fmt == KIVI2) return KVC_RESIDENT(KIVI2, 128);
   if (fmt == TERNARY) return KVC_RESIDENT(TERNARY, 128);
   if (fmt == INT4) return D == 128 ? KVC_RESIDENT(INT4, 128) : KVC_RESIDENT(INT4, 64);
   if (fmt == INT2) return KVC_RESIDENT(INT2, 128);
