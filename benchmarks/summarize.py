@@ -369,8 +369,9 @@ def attention(lines: list[str]) -> None:
     t = data["targets"]
     lines += ["## Fused paged decode attention", "", f"`attention_gpu.json` — {_env(data)}", "",
               "One decode step of one layer at Llama-3-8B shapes (32 query heads, 8 KV heads of 128, and head dim "
-              "64 where D says so): the tokens sit in shuffled 16-slot blocks (kivi2: 32-slot blocks and token "
-              f"groups, as its preset) in their storage format, rows {data.get('layout', 'slot')}-major "
+              "64 where D says so): the tokens sit in shuffled 16-slot blocks "
+              f"({' and '.join(data['shapes'].get('block_sizes', {'kivi2': 32}))}: 32-slot blocks and token "
+              f"groups, as their presets) in their storage format, rows {data.get('layout', 'slot')}-major "
               "(`Policy.pool_layout`), plus a 16-token bf16 buffer; *mixed* is "
               f"{mixed_store(data['shapes'].get('mixed', ['ternary', 'nvfp4', 'fp8']))}"
               + (f"; *mixed-int* is {mixed_store(data['shapes']['mixed_int'], 'thinkv-int')}"
