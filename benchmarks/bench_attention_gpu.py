@@ -3,7 +3,7 @@
 Llama-3-8B shapes (32 query heads, 8 KV heads of 128), one query per row, B x L in
 {1 x 32K, 16 x 8K, 64 x 4K, 256 x 1K}, and 16 x 8K at head dim 64 (the embedded model's).
 Every format's tokens sit in shuffled 16-slot blocks of a pool (kivi2 and kivi4: 32-slot blocks and
-token groups, as its preset) plus a 16-token bf16 recent buffer; ``mixed`` is ThinKV's
+token groups, as their presets) plus a 16-token bf16 recent buffer; ``mixed`` is ThinKV's
 store as the ``thinkv`` preset keeps it (``THINKV_FORMATS``): each thought class a third of
 the tokens, classes of one format as regions (block tables) of one pool, so R and E share an
 NVFP4 pool and T has a ternary one; ``mixed-int`` is ``thinkv-int``'s (``THINKV_INT_FORMATS``:

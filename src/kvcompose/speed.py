@@ -115,7 +115,7 @@ def copy_times_ms(device, nbytes: int = COPY_BYTES, warmup: int = 3, repeats: in
 
 def attention_kernels(device) -> str:
     """Which decode attention a run on ``device`` uses, in words: the torch reference on CPU; on
-    CUDA the Triton kernel, and for NVFP4, ternary, INT4 and INT2 pools the CUDA kernel where it is built and
+    CUDA the Triton kernel, and for NVFP4, ternary, INT4, INT2 and KIVI pools the CUDA kernel where it is built and
     takes them (else why not)."""
     device = torch.device(device)
     if device.type != "cuda":

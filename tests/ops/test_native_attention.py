@@ -13,7 +13,7 @@ from kvcompose.ops.paged_attention import KVOperand, PagedSource
 from kvcompose.ops.paged_attention.formats import to_head_major
 from kvcompose.ops.paged_attention.launch import _native_plans, native_groups
 
-from test_paged_attention import check_extent, make_source
+from test_paged_attention import block_table, check_extent, make_source, operand, to_device
 
 
 #: test format ("int": INT4 in groups of 32) -> (the kernel's name for it, head dims it takes, another format)
@@ -85,6 +85,9 @@ def test_native_kernel_takes_kivi_pools_whose_tiles_are_one_token_group():
     assert native.kernel_format(rows) == "kivi2" and not native.fits(query, rows)  # value scales 2 slots apart
     wide = dataclasses.replace(src, key=dataclasses.replace(src.key, scale=src.key.scale.float()))
     assert native.kernel_format(wide) is None  # fp32 key scales
+    short = dataclasses.replace(src, key=dataclasses.replace(src.key, scale=src.key.scale[:1],
+                                                             minimum=src.key.minimum[:1]))
+    assert not native.fits(query, short)  # fewer key scale rows than the pool's token groups
 
 
 @pytest.mark.parametrize("preset,fmt", [("kivi2", "kivi2"), ("kivi4", "kivi4"), ("thinkv-int", "int4")])
@@ -218,7 +221,29 @@ def test_cuda_native_kernel_keeps_any_query(fmt, dtype, magnitude):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "ternary", "int", "int2", "kivi2"])
+@pytest.mark.parametrize("fmt", ["kivi2", "kivi4"])
+def test_cuda_kivi_keeps_keys_with_an_outlier_channel(fmt):
+    """One key channel of magnitude about 4e4: scales of about 2.7e4 (KIVI-2) and 5e3 (KIVI-4), which
+    overflow fp16 when multiplied by a query of magnitude 32; the query's shift keeps every product finite."""
+    g = torch.Generator().manual_seed(11)
+    lengths = [300, 70, 0]
+    table, valid, row_of = block_table(lengths, 32, False, g)
+    k = torch.randn(valid.numel(), 2, 128, generator=g)
+    k[:, :, 5] *= 1e4
+    v = torch.randn(valid.numel(), 2, 128, generator=g)
+    src = PagedSource(operand(fmt, k.to(torch.bfloat16), row_of, 3, "key", g),
+                      operand(fmt, v.to(torch.bfloat16), row_of, 3, "value", g), table, 32, valid)
+    src = to_device(head_major(src), "cuda")
+    assert src.key.scale.float().abs().max() > 2048
+    query = torch.randn(3, 8, 1, 128, device="cuda").to(torch.bfloat16)
+    out = paged_decode_attention(query, [src], 1e-4, backend="cuda")
+    ref = paged_decode_attention_torch(query, [src], 1e-4)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "ternary", "int", "int2", "kivi2", "kivi4"])
 def test_cuda_native_kernel_replays_in_a_graph(fmt):
     lengths = [500, 20, 1200]
     src = make_source(fmt, lengths, 2, 128, device="cuda")

@@ -15,7 +15,7 @@ Modules:
 - :mod:`.decode`: the per-format decode of a tile in Triton (inline PTX for the exact formats);
 - :mod:`.kernels`: the partial, merge and attention-mass kernels;
 - :mod:`.launch`: launch planning (tile shape, split-KV plan, resident programs) and the launches;
-- :mod:`.native`: the CUDA kernel of NVFP4, ternary, INT4 and INT2 pools (``native_packed.cu``), built on first
+- :mod:`.native`: the CUDA kernel of NVFP4, ternary, INT4, INT2 and KIVI pools (``native_packed.cu``), built on first
   use where it can run;
 - :mod:`.cost`: the bytes one step must read;
 - :mod:`.attention`: the entry point, its input checks and the choice of kernel or reference.

@@ -39,7 +39,7 @@ log = logging.getLogger("kvcompose")
 
 #: ``KVCOMPOSE_NATIVE_ATTENTION=0`` keeps every step on the Triton kernel.
 ENABLED = os.environ.get("KVCOMPOSE_NATIVE_ATTENTION", "1") != "0"
-#: Formats the CUDA kernel decodes (keys and values alike; :func:`kernel_format` names an operand's),
+#: Formats the CUDA kernel decodes (:func:`kernel_format` names a source's),
 #: its ``fmt`` codes, and the head dims each is compiled for (a thread reads a whole code word of
 #: every value row: 16 ternary or INT2 codes are 16 channels, an eighth of 128).
 FORMATS = {"nvfp4": 0, "ternary": 1, "int4": 2, "int2": 3, "kivi4": 4, "kivi2": 5}
@@ -112,14 +112,18 @@ def fits(query: torch.Tensor, src: PagedSource) -> bool:
 
 def _kivi_tiles(src: PagedSource) -> bool:
     """A KIVI source whose every 32-token tile is one token group of one block, with its value scales and
-    minimums one run of bytes each."""
-    value = src.value
-    return src.block_size % KIVI_TOKEN_GROUP == 0 and all(t.stride(0) == 1 or t.shape[1] == 1
-                                                        for t in (value.scale, value.minimum))
+    minimums one 16-byte-aligned run of bytes each (head-major over a multiple of 8 slots), and a key scale
+    row for every token group of the pool."""
+    key, value = src.key, src.value
+    slots = src.valid.numel()
+    return (src.block_size % KIVI_TOKEN_GROUP == 0 and row_layout(src) % 8 == 0
+            and all(t.stride(0) == 1 or t.shape[1] == 1 for t in (value.scale, value.minimum))
+            and key.scale.shape[0] * KIVI_TOKEN_GROUP >= slots and key.minimum.shape[0] * KIVI_TOKEN_GROUP >= slots)
 
 
 def _pool_tensors(op) -> list[torch.Tensor]:
-    """The tensors of an operand the kernel copies per slot: codes, scales, and the INT formats' minimums."""
+    """The tensors of an operand the kernel copies: codes, scales, and the INT formats' minimums (KIVI keys'
+    scales and minimums: per token group)."""
     return [op.codes, op.scale] + ([op.minimum] if op.fmt.startswith("int") else [])
 
 

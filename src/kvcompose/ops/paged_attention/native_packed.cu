@@ -11,7 +11,7 @@
 //   channels x 8 query heads), the scores come out transposed (tokens x query heads).
 //   A dot product does not care in which order it visits the channels, so a thread's key
 //   fragment covers a contiguous quarter of the token's code row (one vector load), and the
-//   query fragment is gathered in the same channel order once per program.
+//   query fragment is gathered in the same channel order once per program (KIVI: then scaled per tile).
 // * Values are the A operand of the transposed product (16 channels x 16 tokens), the
 //   probabilities its B operand. A thread holds a contiguous eighth of each token's row; two
 //   tokens' decoded pairs are interleaved by byte permutes, and the score fragment becomes the
@@ -322,8 +322,8 @@ struct Pools {
 
 // One stage of a program's shared-memory ring: a tile as it lies in the pools, copied by cp.async
 // while the tile before it is computed (the copies hold no registers). Per operand the tile's
-// code rows [TILE][row bytes], then per operand its scales [TILE][SCALE_ROW] (INT formats: then
-// per operand its minimums, likewise), then TILE validity bytes. On an H200 (16 x 8K, 64 x 4K, 256 x 1K, head dim 128; benchmarks/results/attention_gpu.json):
+// code rows [TILE][row bytes], then per operand its scales [TILE][SCALE_ROW] (KIVI keys: one row of D fp16;
+// INT formats: then per operand its minimums, likewise), then TILE validity bytes. On an H200 (16 x 8K, 64 x 4K, 256 x 1K, head dim 128; benchmarks/results/attention_gpu.json):
 // 54-58% of the copy bandwidth on slot-major pools, against 42-46% when the next tile waited in
 // registers. What held it there was the reads themselves (benchmarks/tools/probe_native_gpu.py): this
 // ring of copies with no products, softmax or decode ran no faster than the whole kernel, and neither
@@ -368,7 +368,8 @@ __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_grou
 
 // Start copying the tile whose lane-th token lies in slot `slot` (-1: none) into `stage`. Codes:
 // lane l copies chunks l, l + 32, ... of the tile (the lanes of one token row read it whole);
-// scales one copy per token; validity four tokens' bytes per copy (a block holds a multiple of
+// scales one copy per token (KIVI: 16-byte copies of the tile's rows and runs); validity four tokens' bytes
+// per copy (a block holds a multiple of
 // four tokens, and a tile starts a block).
 template <int F, int D>
 __device__ __forceinline__ void issue_tile(uint32_t stage, int slot, const Pools& p, int lane, uint32_t copy_at) {
@@ -712,7 +713,7 @@ __global__ void __launch_bounds__(32, kivi_format(F) && D == 128 ? 16 : 0) packe
 
   // The query fragment (B operand of the key product), in the channel order of the key fragments,
   // shifted by a power of two into fp16's range (exact for a bf16 query): its largest magnitude into
-  // [2^14, 2^15), or for KIVI into [2^4, 2^5), which leaves room for the key scales it is multiplied by.
+  // [2^14, 2^15), or for KIVI into [2^-1, 2^0), so that its product with any finite fp16 key scale stays finite.
   float qv[S::KSTEPS][2][2];
   float amax = 0.f;
   const T* qrow = q + ((int64_t)row * Hq + head * G + gid) * D;
@@ -731,7 +732,7 @@ __global__ void __launch_bounds__(32, kivi_format(F) && D == 128 ? 16 : 0) packe
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   const int ex = (__float_as_uint(amax) >> 23) & 0xFF;
-  constexpr int TOP = S::KIVI ? 258 : 268;  // 127 + the target exponent + 127
+  constexpr int TOP = S::KIVI ? 253 : 268;  // 127 + the target exponent + 127
   const float shift = ex < 255 ? __uint_as_float((uint32_t)min(TOP - ex, 254) << 23) : 1.f;
   uint32_t qf[S::KSTEPS][2];
 #pragma unroll
