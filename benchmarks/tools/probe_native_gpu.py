@@ -1,8 +1,9 @@
-"""Where the CUDA NVFP4 decode kernel's time goes: variants of ``native_packed.cu`` side by side.
+"""Where the CUDA decode kernel's time goes: variants of ``native_packed.cu`` side by side.
 
 Each variant is the kernel's source with one text substitution (more stages in the shared-memory
 ring, or a part of the decode replaced by a cheaper stand-in that gives wrong numbers), built under
-its own name and timed on the NVFP4 pool of :mod:`bench_attention_gpu`.
+its own name for one format (``--format``, NVFP4 by default; bf16 queries, head dim 128) and timed on
+that format's pool of :mod:`bench_attention_gpu`.
 A stand-in that speeds the kernel up a lot names the part worth rewriting. Results go to stdout
 and, with ``--out``, are appended to a history file (``benchmarks/results/probe_native_gpu.json``
 is where the docs read them). The variants that keep the numbers exact print their largest error
@@ -12,11 +13,13 @@ against the torch reference; the stand-ins' outputs are not checked.
     python benchmarks/tools/probe_native_gpu.py --variants base no_attend copy_only codes_only  # memory side
     python benchmarks/tools/probe_native_gpu.py --layout slot --variants copy_only head_major_copy base head_major
     python benchmarks/tools/probe_native_gpu.py --variants base copy_only --out benchmarks/results/probe_native_gpu.json
+    python benchmarks/tools/probe_native_gpu.py --format ternary --variants base no_attend copy_only  # a 2-bit pool
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -99,36 +102,38 @@ VARIANTS = {
 EXACT = {"base", "stages3", "lb18", "split_k", "lazy_rescale"}
 
 
-#: Substitutions of every variant: only the NVFP4 bf16 head-dim-128 kernel is compiled (one of 18).
-ONLY_BF16_128 = [
-    ("  if (fmt == KIVI4 && D == 128) { KVC_LAUNCH(KIVI4, 128); return; }\n"
-     "  if (fmt == KIVI4) { KVC_LAUNCH(KIVI4, 64); return; }\n  if (fmt == KIVI2) { KVC_LAUNCH(KIVI2, 128); return; }\n"
-     "  if (fmt == TERNARY) { KVC_LAUNCH(TERNARY, 128); }\n  else if (fmt == INT4 && D == 128) { KVC_LAUNCH(INT4, 128); }\n"
-     "  else if (fmt == INT4) { KVC_LAUNCH(INT4, 64); }\n"
-     "  else if (fmt == INT2) { KVC_LAUNCH(INT2, 128); }\n  else if (D == 128) { KVC_LAUNCH(NVFP4, 128); }\n"
-     "  else { KVC_LAUNCH(NVFP4, 64); }",
-     '  TORCH_CHECK(fmt == NVFP4 && D == 128 && bf16, "probe: NVFP4, bf16, head dim 128 only");\n'
-     "  launch<NVFP4, 128, __nv_bfloat16>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, extents,\n"
-     "                                   block_size, per_split, n_splits, first, total, qk_scale, head_rows);"),
-    ("  if (fmt == KIVI4) return D == 128 ? KVC_RESIDENT(KIVI4, 128) : KVC_RESIDENT(KIVI4, 64);\n"
-     "  if (fmt == KIVI2) return KVC_RESIDENT(KIVI2, 128);\n"
-     "  if (fmt == TERNARY) return KVC_RESIDENT(TERNARY, 128);\n"
-     "  if (fmt == INT4) return D == 128 ? KVC_RESIDENT(INT4, 128) : KVC_RESIDENT(INT4, 64);\n"
-     "  if (fmt == INT2) return KVC_RESIDENT(INT2, 128);\n  if (D == 128) return KVC_RESIDENT(NVFP4, 128);\n"
-     "  return KVC_RESIDENT(NVFP4, 64);",
-     "return resident<NVFP4, 128, __nv_bfloat16>();"),
-]
+#: variants that stand in for part of the NVFP4 decode (``fp4_word``): they change no other format's kernel
+NVFP4_ONLY = {"no_cvt", "no_scale", "no_decode"}
 
 
-def build(name: str):
+def only(source: str, fmt: str) -> str:
+    """``source`` with its launchers reduced to one kernel: format ``fmt`` (a key of ``native.FORMATS``),
+    bf16 queries, head dim 128 (one of 18 kernels: a fraction of the build time)."""
+    name = fmt.upper()
+    launch = (f'  TORCH_CHECK(fmt == {name} && D == 128 && bf16, "probe: {fmt}, bf16, head dim 128 only");\n'
+              f"  launch<{name}, 128, __nv_bfloat16>(q, part, lse, tables, valid, kc, ks, khs, vc, vs, vhs, km, vm, "
+              "extents, block_size, per_split, n_splits, first, total, qk_scale, head_rows);\n")
+    source, launches = re.subn(r"(head_rows\)\n)  if \(fmt ==.*?(#undef KVC_LAUNCH)",
+                               lambda m: m.group(1) + launch + m.group(2), source, flags=re.S)
+    resident = f"  return resident<{name}, 128, __nv_bfloat16>();\n"
+    source, residents = re.subn(r"(#define KVC_RESIDENT\(FMT, DIM\)[^\n]*\n).*?(#undef KVC_RESIDENT)",
+                                lambda m: m.group(1) + resident + m.group(2), source, flags=re.S)
+    if (launches, residents) != (1, 1):
+        raise SystemExit(f"{native.SOURCE.name}: its launchers' dispatch was not found (the probe reduces it to one "
+                         "kernel)")
+    return source
+
+
+def build(name: str, fmt: str = "nvfp4"):
     from torch.utils import cpp_extension
 
     source = native.SOURCE.read_text()
-    for old, new in VARIANTS[name] + ONLY_BF16_128:
+    for old, new in VARIANTS[name]:
         if old not in source:
             raise SystemExit(f"variant {name}: {old!r} not found in {native.SOURCE.name}")
         source = source.replace(old, new)
-    return cpp_extension.load_inline(name=f"kvcompose_probe_{name}", cpp_sources=native._DECLARATIONS,
+    source = only(source, fmt)
+    return cpp_extension.load_inline(name=f"kvcompose_probe_{fmt}_{name}", cpp_sources=native._DECLARATIONS,
                                      cuda_sources=source, functions=["packed_partial", "packed_resident"],
                                      extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
 
@@ -136,12 +141,20 @@ def build(name: str):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--format", default="nvfp4", choices=list(native.FORMATS),
+                   help="the pools' format (the attention benchmark's row of that name), bf16 queries, head dim 128")
     p.add_argument("--shapes", nargs="*", default=["16x8192x128", "64x4096x128", "256x1024x128"])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--layout", choices=list(POOL_LAYOUTS), default=DEFAULT_POOL_LAYOUT,
                    help="the pools' (slot, head) row order (Policy.pool_layout); the head_major* stand-ins need slot")
     p.add_argument("--out", default=None, help="history file the run is added to (default: stdout only)")
     args = p.parse_args(argv)
+    decode_stand_ins = sorted(NVFP4_ONLY & set(args.variants))
+    if decode_stand_ins and args.format != "nvfp4":
+        p.error(f"variants {', '.join(decode_stand_ins)} stand in for the NVFP4 decode; give --format nvfp4 "
+                f"(got --format {args.format})")
+    if any(not s.endswith("x128") for s in args.shapes):
+        p.error(f"the probe compiles head dim 128 only; got --shapes {' '.join(args.shapes)}")
     stand_ins = [v for v in args.variants if v.startswith("head_major")]
     if stand_ins and args.layout != "slot":
         p.error(f"variants {', '.join(stand_ins)} read slot-major pools at head-major addresses; "
@@ -153,15 +166,15 @@ def main(argv=None) -> int:
     data, rows = {}, []
     for b, l, d in shapes:
         q = torch.randn(b, bench.Q_HEADS, 1, d, device="cuda", dtype=torch.bfloat16)
-        sources = bench.build("nvfp4", b, l, "cuda", d)
+        sources = bench.build(args.format, b, l, "cuda", d)
         data[(b, l, d)] = (q, sources, bytes_read(sources, q))
     for name in args.variants:
-        native._STATE[0] = (build(name), f"probe variant {name}")
+        native._STATE[0] = (build(name, args.format), f"probe variant {name}")
         native.resident_programs.cache_clear()
         cells = []
         for (b, l, d), (q, sources, nbytes) in data.items():
             ms = graph_ms(lambda: paged_decode_attention(q, sources, d ** -0.5, backend="cuda"), args.repeats)
-            programs = native.resident_programs(0, d, True)
+            programs = native.resident_programs(0, d, True, args.format)
             rows.append({"variant": name, "exact": name in EXACT, "batch": b, "tokens": l, "head_dim": d, "ms": ms,
                          "bytes": nbytes, "fraction_of_copy": nbytes / ms / 1e9 / copy, "programs_per_sm": programs})
             cells.append(f"{b}x{l}x{d}={ms * 1e3:.1f}us {nbytes / ms / 1e9 / copy:.0%}/p{programs}")
@@ -171,8 +184,8 @@ def main(argv=None) -> int:
             error = f"  max abs error {bench.check(q, sources, 'cuda'):.2e}"
         print(f"{name:10s} " + "  ".join(cells) + error, flush=True)
     if args.out:
-        run = {"benchmark": "CUDA NVFP4 kernel variants", "copy_tb_per_s": copy, "repeats": args.repeats,
-               "layout": args.layout,
+        run = {"benchmark": "CUDA kernel variants", "format": args.format, "copy_tb_per_s": copy,
+               "repeats": args.repeats, "layout": args.layout,
                "variants": {n: VARIANTS[n] for n in args.variants}, "results": rows}
         print(f"wrote {ResultLog(args.out).save(run)}")
     return 0

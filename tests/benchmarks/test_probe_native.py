@@ -21,9 +21,27 @@ def probe():
 def test_every_variant_applies_to_the_kernel_source(probe):
     source = probe.native.SOURCE.read_text()
     for name, substitutions in probe.VARIANTS.items():
-        for old, new in substitutions + probe.ONLY_BF16_128:
+        for old, new in substitutions:
             assert old in source, f"variant {name}: {old!r} is no longer in {probe.native.SOURCE.name}"
             assert new != old
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "ternary", "int2", "kivi2"])
+def test_the_probe_compiles_one_kernel_of_the_format_asked_for(probe, fmt):
+    """The launchers keep one kernel: ``fmt``'s at head dim 128 with bf16 queries, which the source defines."""
+    import re
+
+    reduced = probe.only(probe.native.SOURCE.read_text(), fmt)
+    name = fmt.upper()
+    assert not re.findall(r"KVC_(LAUNCH|RESIDENT)\(\w+, \d+\)", reduced)  # no dispatch to any other kernel
+    assert f"launch<{name}, 128, __nv_bfloat16>(q, part" in reduced
+    assert f"return resident<{name}, 128, __nv_bfloat16>();" in reduced
+    assert f" {name} = " in reduced  # a format constant of the source
+
+
+def test_the_nvfp4_decode_stand_ins_are_refused_on_other_formats(probe):
+    with pytest.raises(SystemExit):
+        probe.main(["--format", "ternary", "--variants", "base", "no_decode"])
 
 
 @pytest.fixture
