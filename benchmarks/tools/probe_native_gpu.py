@@ -5,7 +5,7 @@ ring, or a part of the decode replaced by a cheaper stand-in that gives wrong nu
 its own name for one format (``--format``, NVFP4 by default; bf16 queries, head dim 128) and timed on
 that format's pool of :mod:`bench_attention_gpu`.
 A stand-in that speeds the kernel up a lot names the part worth rewriting. Results go to stdout
-and, with ``--out``, are appended to a history file (``benchmarks/results/probe_native_gpu.json``
+and, with ``--out``, are appended to a history file after every variant (``benchmarks/results/probe_native_gpu.json``
 is where the docs read them). The variants that keep the numbers exact print their largest error
 against the torch reference; the stand-ins' outputs are not checked.
 
@@ -160,6 +160,7 @@ def main(argv=None) -> int:
         p.error(f"variants {', '.join(stand_ins)} read slot-major pools at head-major addresses; "
                 f"give --layout slot (got --layout {args.layout})")
     bench.LAYOUT = args.layout
+    log = ResultLog(args.out) if args.out else None
     copy = copy_tbps("cuda")
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
@@ -183,11 +184,12 @@ def main(argv=None) -> int:
             q, sources, _ = next(iter(data.values()))
             error = f"  max abs error {bench.check(q, sources, 'cuda'):.2e}"
         print(f"{name:10s} " + "  ".join(cells) + error, flush=True)
-    if args.out:
-        run = {"benchmark": "CUDA kernel variants", "format": args.format, "copy_tb_per_s": copy,
-               "repeats": args.repeats, "layout": args.layout,
-               "variants": {n: VARIANTS[n] for n in args.variants}, "results": rows}
-        print(f"wrote {ResultLog(args.out).save(run)}")
+        if log is not None:  # after every variant: a run cut short keeps what it measured
+            done = args.variants[:args.variants.index(name) + 1]
+            run = {"benchmark": "CUDA kernel variants", "format": args.format, "copy_tb_per_s": copy,
+                   "repeats": args.repeats, "layout": args.layout,
+                   "variants": {n: VARIANTS[n] for n in done}, "results": rows}
+            print(f"wrote {log.save(run)}", flush=True)
     return 0
 
 
