@@ -114,11 +114,9 @@ def _kivi_tiles(src: PagedSource) -> bool:
     """A KIVI source whose every 32-token tile is one token group of one block, with its value scales and
     minimums one 16-byte-aligned run of bytes each (head-major over a multiple of 8 slots), and a key scale
     row for every token group of the pool."""
-    key, value = src.key, src.value
-    slots = src.valid.numel()
-    return (src.block_size % KIVI_TOKEN_GROUP == 0 and row_layout(src) % 8 == 0
-            and all(t.stride(0) == 1 or t.shape[1] == 1 for t in (value.scale, value.minimum))
-            and key.scale.shape[0] * KIVI_TOKEN_GROUP >= slots and key.minimum.shape[0] * KIVI_TOKEN_GROUP >= slots)
+    rows, heads = row_layout(src), src.key.codes.shape[1]
+    return (src.block_size % KIVI_TOKEN_GROUP == 0 and (rows > 0 or heads == 1) and rows % 8 == 0
+            and src.key.scale.shape[0] * KIVI_TOKEN_GROUP >= src.valid.numel())  # minimums: the scales' shape
 
 
 def _pool_tensors(op) -> list[torch.Tensor]:

@@ -563,6 +563,24 @@ struct State {
   float acc[D / 16][4];  // Shape::VTILES
 };
 
+// The scales of the lane's key token kt as fp16 pairs (scale, minimum): its two E4M3 block scales (no
+// minimum), the group's INT scale and minimum twice each, nothing for KIVI keys (their scales are in the
+// queries, their minimums in the bias).
+template <int F, int D>
+__device__ __forceinline__ uint2 key_scales(const Tile<F, D>& t, int kt) {
+  using S = Shape<F, D>;
+  if constexpr (S::KIVI) return make_uint2(0u, 0u);
+  else if constexpr (S::INT) return make_uint2(t.kscale[kt] * 0x10001u, t.kmin[kt] * 0x10001u);
+  else return make_uint2(scale_pair(t.kscale[kt]), 0u);
+}
+
+// The scale pair that word kw of a key token decodes with: the E4M3 formats' block scale of the word, twice.
+template <int F, int D>
+__device__ __forceinline__ uint32_t word_scale(uint32_t pair, int kw) {
+  if constexpr (Shape<F, D>::INT) return pair;
+  else return __byte_perm(pair, 0, kw * Shape<F, D>::WORD_CHANNELS < 16 ? 0x1010 : 0x3232);
+}
+
 // One tile: scores, online softmax, values. Decoded NVFP4 and ternary values lack the 2^6 that the
 // E4M3 trick takes off (Shape::UNSCALED, folded into key_scale and into the output scale).
 template <int F, int D>
@@ -582,28 +600,11 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
     s[j][0] = s[j][2] = S::KIVI ? t.bias[0] : 0.f;
     s[j][1] = s[j][3] = S::KIVI ? t.bias[1] : 0.f;
     uint32_t a0[2 * S::KSTEPS], a1[2 * S::KSTEPS];
-    if constexpr (S::KIVI) {  // the codes as they are
+    const uint2 p0 = key_scales(t, 2 * j), p1 = key_scales(t, 2 * j + 1);
 #pragma unroll
-      for (int kw = 0; kw < S::KWORDS; ++kw) {
-        decode_word<F>(t.k[2 * j][kw], 0u, 0u, a0 + S::REGS * kw);
-        decode_word<F>(t.k[2 * j + 1][kw], 0u, 0u, a1 + S::REGS * kw);
-      }
-    } else if constexpr (S::INT) {  // one group's fp16 scale and minimum, twice, for every word of the quarter
-      const uint32_t s0 = t.kscale[2 * j] * 0x10001u, s1 = t.kscale[2 * j + 1] * 0x10001u;
-      const uint32_t m0 = t.kmin[2 * j] * 0x10001u, m1 = t.kmin[2 * j + 1] * 0x10001u;
-#pragma unroll
-      for (int kw = 0; kw < S::KWORDS; ++kw) {
-        decode_word<F>(t.k[2 * j][kw], s0, m0, a0 + S::REGS * kw);
-        decode_word<F>(t.k[2 * j + 1][kw], s1, m1, a1 + S::REGS * kw);
-      }
-    } else {
-      const uint32_t p0 = scale_pair(t.kscale[2 * j]), p1 = scale_pair(t.kscale[2 * j + 1]);
-#pragma unroll
-      for (int kw = 0; kw < S::KWORDS; ++kw) {
-        const uint32_t sel = kw * S::WORD_CHANNELS < 16 ? 0x1010 : 0x3232;  // the word's block scale, twice
-        decode_word<F>(t.k[2 * j][kw], __byte_perm(p0, 0, sel), 0u, a0 + S::REGS * kw);
-        decode_word<F>(t.k[2 * j + 1][kw], __byte_perm(p1, 0, sel), 0u, a1 + S::REGS * kw);
-      }
+    for (int kw = 0; kw < S::KWORDS; ++kw) {
+      decode_word<F>(t.k[2 * j][kw], word_scale<F, D>(p0.x, kw), p0.y, a0 + S::REGS * kw);
+      decode_word<F>(t.k[2 * j + 1][kw], word_scale<F, D>(p1.x, kw), p1.y, a1 + S::REGS * kw);
     }
 #pragma unroll
     for (int kk = 0; kk < S::KSTEPS; ++kk)
