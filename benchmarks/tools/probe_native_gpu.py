@@ -13,7 +13,10 @@ against the torch reference; the stand-ins' outputs are not checked.
     python benchmarks/tools/probe_native_gpu.py --variants base no_attend copy_only codes_only  # memory side
     python benchmarks/tools/probe_native_gpu.py --layout slot --variants copy_only head_major_copy base head_major
     python benchmarks/tools/probe_native_gpu.py --variants base copy_only --out benchmarks/results/probe_native_gpu.json
-    python benchmarks/tools/probe_native_gpu.py --format ternary --variants base no_attend copy_only  # a 2-bit pool
+    python benchmarks/tools/probe_native_gpu.py --format ternary int2 --variants base no_attend copy_only  # 2-bit pools
+
+Every (format, variant) kernel is built before the first is timed, ``--jobs`` at a time (``--build-only``:
+built and cached by torch, nothing timed).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -70,12 +74,19 @@ LAUNCH_BOUNDS = "__launch_bounds__(32, kivi_format(F) && D == 128 ? 16 : 0)"
 VARIANTS = {
     "base": [],
     "stages3": [("constexpr int STAGES = 2;", "constexpr int STAGES = 3;")],
+    "stages4": [("constexpr int STAGES = 2;", "constexpr int STAGES = 4;")],
     "no_cvt": [(c, f'"mov.b32 %{i}, {{{r}, {r}}};\\n"') for c, (i, r) in
                zip(CVT, enumerate(("l0", "l1", "h0", "h1")))],
     "no_scale": [(m, "") for m in MUL],
     "no_decode": [("void fp4_word(uint32_t w, uint32_t s2, uint32_t* out) {",
                    "void fp4_word(uint32_t w, uint32_t s2, uint32_t* out) {\n  out[0] = w ^ s2; out[1] = w + s2; "
                    "out[2] = w - s2; out[3] = w | s2; return;")],
+    # stand-ins for the INT and ternary decodes: a code pair becomes an fp16 pair by one logic operation
+    "no_decode_int": [('  asm("fma.rn.f16x2 %0, %1, %2, %3;\\n" : "=r"(r) : "r"(code_pair<F>(x)), "r"(s2), "r"(m2));',
+                       "  r = x ^ s2 ^ m2;")],
+    "no_decode_ternary": [("void e4m3x4_scaled(uint32_t e, uint32_t s2, uint32_t* out) {",
+                           "void e4m3x4_scaled(uint32_t e, uint32_t s2, uint32_t* out) {\n  out[0] = e ^ s2; "
+                           "out[1] = e + s2; return;")],
     # at most 113 registers, so that 18 programs fit an SM (ptxas gives 96 and spills 48 bytes)
     "lb18": [(LAUNCH_BOUNDS, "__launch_bounds__(32, 18)")],
     # the key product in two independent accumulator chains of four products instead of one of eight
@@ -99,11 +110,12 @@ VARIANTS = {
     "head_major_copy": [(READ, ""), (ATTEND, ""), *HEAD_MAJOR],
 }
 #: variants whose outputs are exact (the rest replace part of the decode by a stand-in)
-EXACT = {"base", "stages3", "lb18", "split_k", "lazy_rescale"}
+EXACT = {"base", "stages3", "stages4", "lb18", "split_k", "lazy_rescale"}
 
 
-#: variants that stand in for part of the NVFP4 decode (``fp4_word``): they change no other format's kernel
-NVFP4_ONLY = {"no_cvt", "no_scale", "no_decode"}
+#: variants that stand in for part of one decode, and the formats whose kernels they change
+DECODE_STAND_INS = {**dict.fromkeys(("no_cvt", "no_scale", "no_decode"), ("nvfp4",)),
+                    "no_decode_int": ("int4", "int2", "kivi4", "kivi2"), "no_decode_ternary": ("ternary",)}
 
 
 def only(source: str, fmt: str) -> str:
@@ -141,18 +153,23 @@ def build(name: str, fmt: str = "nvfp4"):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--format", default="nvfp4", choices=list(native.FORMATS),
-                   help="the pools' format (the attention benchmark's row of that name), bf16 queries, head dim 128")
+    p.add_argument("--format", nargs="+", default=["nvfp4"], choices=list(native.FORMATS),
+                   help="the pools' formats (the attention benchmark's rows of those names), bf16 queries, "
+                        "head dim 128; one run per format")
     p.add_argument("--shapes", nargs="*", default=["16x8192x128", "64x4096x128", "256x1024x128"])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--jobs", type=int, default=8, help="kernels built at once (each build is one nvcc process)")
+    p.add_argument("--build-only", action="store_true",
+                   help="build the kernels into torch's extension cache and stop (a later run loads them)")
     p.add_argument("--layout", choices=list(POOL_LAYOUTS), default=DEFAULT_POOL_LAYOUT,
                    help="the pools' (slot, head) row order (Policy.pool_layout); the head_major* stand-ins need slot")
-    p.add_argument("--out", default=None, help="history file the run is added to (default: stdout only)")
+    p.add_argument("--out", default=None, help="history file the runs are added to (default: stdout only)")
     args = p.parse_args(argv)
-    decode_stand_ins = sorted(NVFP4_ONLY & set(args.variants))
-    if decode_stand_ins and args.format != "nvfp4":
-        p.error(f"variants {', '.join(decode_stand_ins)} stand in for the NVFP4 decode; give --format nvfp4 "
-                f"(got --format {args.format})")
+    for name in args.variants:
+        formats = DECODE_STAND_INS.get(name, args.format)
+        if set(args.format) - set(formats):
+            p.error(f"variant {name} stands in for the decode of {', '.join(formats)} pools; give --format among "
+                    f"them (got --format {' '.join(args.format)})")
     if any(not s.endswith("x128") for s in args.shapes):
         p.error(f"the probe compiles head dim 128 only; got --shapes {' '.join(args.shapes)}")
     stand_ins = [v for v in args.variants if v.startswith("head_major")]
@@ -160,22 +177,35 @@ def main(argv=None) -> int:
         p.error(f"variants {', '.join(stand_ins)} read slot-major pools at head-major addresses; "
                 f"give --layout slot (got --layout {args.layout})")
     bench.LAYOUT = args.layout
-    log = ResultLog(args.out) if args.out else None
+    kernels = [(fmt, name) for fmt in args.format for name in args.variants]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        modules = dict(zip(kernels, pool.map(lambda k: build(k[1], k[0]), kernels)))
+    print(f"built {len(modules)} kernels", flush=True)
+    if args.build_only:
+        return 0
     copy = copy_tbps("cuda")
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    for fmt in args.format:
+        probe(fmt, args, shapes, modules, copy)
+    return 0
+
+
+def probe(fmt: str, args, shapes, modules: dict, copy: float) -> None:
+    """Times every variant of format ``fmt``'s kernel at ``shapes``; one history entry per format."""
+    log = ResultLog(args.out) if args.out else None
     data, rows = {}, []
     for b, l, d in shapes:
         q = torch.randn(b, bench.Q_HEADS, 1, d, device="cuda", dtype=torch.bfloat16)
-        sources = bench.build(args.format, b, l, "cuda", d)
+        sources = bench.build(fmt, b, l, "cuda", d)
         data[(b, l, d)] = (q, sources, bytes_read(sources, q))
     for name in args.variants:
-        native._STATE[0] = (build(name, args.format), f"probe variant {name}")
+        native._STATE[0] = (modules[(fmt, name)], f"probe variant {name}")
         native.resident_programs.cache_clear()
         cells = []
         for (b, l, d), (q, sources, nbytes) in data.items():
             ms = graph_ms(lambda: paged_decode_attention(q, sources, d ** -0.5, backend="cuda"), args.repeats)
-            programs = native.resident_programs(0, d, True, args.format)
+            programs = native.resident_programs(0, d, True, fmt)
             rows.append({"variant": name, "exact": name in EXACT, "batch": b, "tokens": l, "head_dim": d, "ms": ms,
                          "bytes": nbytes, "fraction_of_copy": nbytes / ms / 1e9 / copy, "programs_per_sm": programs})
             cells.append(f"{b}x{l}x{d}={ms * 1e3:.1f}us {nbytes / ms / 1e9 / copy:.0%}/p{programs}")
@@ -183,15 +213,13 @@ def main(argv=None) -> int:
         if name in EXACT:
             q, sources, _ = next(iter(data.values()))
             error = f"  max abs error {bench.check(q, sources, 'cuda'):.2e}"
-        print(f"{name:10s} " + "  ".join(cells) + error, flush=True)
+        print(f"{fmt:8s} {name:10s} " + "  ".join(cells) + error, flush=True)
         if log is not None:  # after every variant: a run cut short keeps what it measured
             done = args.variants[:args.variants.index(name) + 1]
-            run = {"benchmark": "CUDA kernel variants", "format": args.format, "copy_tb_per_s": copy,
+            run = {"benchmark": "CUDA kernel variants", "format": fmt, "copy_tb_per_s": copy,
                    "repeats": args.repeats, "layout": args.layout,
                    "variants": {n: VARIANTS[n] for n in done}, "results": rows}
             print(f"wrote {log.save(run)}", flush=True)
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

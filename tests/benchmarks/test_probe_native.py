@@ -39,9 +39,12 @@ def test_the_probe_compiles_one_kernel_of_the_format_asked_for(probe, fmt):
     assert f" {name} = " in reduced  # a format constant of the source
 
 
-def test_the_nvfp4_decode_stand_ins_are_refused_on_other_formats(probe):
+@pytest.mark.parametrize("formats", [["ternary"], ["nvfp4", "int2"]])
+def test_a_decode_stand_in_is_refused_on_formats_it_does_not_change(probe, formats, capsys):
     with pytest.raises(SystemExit):
-        probe.main(["--format", "ternary", "--variants", "base", "no_decode"])
+        probe.main(["--format", *formats, "--variants", "base", "no_decode"])
+    assert ("variant no_decode stands in for the decode of nvfp4 pools; give --format among them (got --format "
+            f"{' '.join(formats)})") in capsys.readouterr().err
 
 
 @pytest.fixture
