@@ -97,6 +97,11 @@ VARIANTS = {
     "no_exp": [(f"fast_exp2({x} - m_safe)", f"({x} - m_safe)") for x in ("st.m[e]", "s[j][e]", "s[j][e + 2]")],
     # stand-ins for the memory side alone: the ring of copies and the fragment reads, no products or softmax
     "no_attend": [(ATTEND, "")],
+    # stand-in for the compute side alone: no copies are issued, every tile is computed from whatever its stage
+    # holds (the waits, fragment reads, decode, products and softmax stay)
+    "no_copy": [(ISSUE, "") for ISSUE in (
+        "    if (i < tiles) issue_tile<F, D>(base + i * Stage<F, D>::BYTES, slot, p, lane, at.copy);\n",
+        "    if (ahead < tiles) issue_tile<F, D>(base + (ahead % STAGES) * Stage<F, D>::BYTES, slot, p, lane, at.copy);\n")],
     # ... the ring of copies alone
     "copy_only": [(READ, ""), (ATTEND, "")],
     # ... the copies of the code rows alone (no scales, no validity)
