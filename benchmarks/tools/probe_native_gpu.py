@@ -22,6 +22,7 @@ built and cached by torch, nothing timed).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -82,8 +83,8 @@ VARIANTS = {
                    "void fp4_word(uint32_t w, uint32_t s2, uint32_t* out) {\n  out[0] = w ^ s2; out[1] = w + s2; "
                    "out[2] = w - s2; out[3] = w | s2; return;")],
     # stand-ins for the INT and ternary decodes: a code pair becomes an fp16 pair by one logic operation
-    "no_decode_int": [('  asm("fma.rn.f16x2 %0, %1, %2, %3;\\n" : "=r"(r) : "r"(code_pair<F>(x)), "r"(s2), "r"(m2));',
-                       "  r = x ^ s2 ^ m2;")],
+    "no_decode_int": [('  asm("fma.rn.f16x2 %0, %1, %2, %3;\\n" : "=r"(r) : "r"(code_pair<F>(w, i)), "r"(s2), "r"(m2));',
+                       "  r = w ^ s2 ^ m2 ^ i;")],
     "no_decode_ternary": [("void e4m3x4_scaled(uint32_t e, uint32_t s2, uint32_t* out) {",
                            "void e4m3x4_scaled(uint32_t e, uint32_t s2, uint32_t* out) {\n  out[0] = e ^ s2; "
                            "out[1] = e + s2; return;")],
@@ -141,16 +142,17 @@ def only(source: str, fmt: str) -> str:
     return source
 
 
-def build(name: str, fmt: str = "nvfp4"):
+def build(name: str, fmt: str = "nvfp4", kernel_source: Path = native.SOURCE):
     from torch.utils import cpp_extension
 
-    source = native.SOURCE.read_text()
+    source = kernel_source.read_text()
     for old, new in VARIANTS[name]:
         if old not in source:
             raise SystemExit(f"variant {name}: {old!r} not found in {native.SOURCE.name}")
         source = source.replace(old, new)
     source = only(source, fmt)
-    return cpp_extension.load_inline(name=f"kvcompose_probe_{fmt}_{name}", cpp_sources=native._DECLARATIONS,
+    digest = hashlib.sha256(source.encode()).hexdigest()[:8]  # sources differing in anything build apart
+    return cpp_extension.load_inline(name=f"kvcompose_probe_{fmt}_{name}_{digest}", cpp_sources=native._DECLARATIONS,
                                      cuda_sources=source, functions=["packed_partial", "packed_resident"],
                                      extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
 
@@ -164,6 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="*", default=["16x8192x128", "64x4096x128", "256x1024x128"])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--jobs", type=int, default=8, help="kernels built at once (each build is one nvcc process)")
+    p.add_argument("--source", type=Path, default=native.SOURCE,
+                   help="the kernel source the variants change (default: the package's; another version of "
+                        "native_packed.cu times against it in the same process)")
     p.add_argument("--build-only", action="store_true",
                    help="build the kernels into torch's extension cache and stop (a later run loads them)")
     p.add_argument("--layout", choices=list(POOL_LAYOUTS), default=DEFAULT_POOL_LAYOUT,
@@ -184,7 +189,7 @@ def main(argv=None) -> int:
     bench.LAYOUT = args.layout
     kernels = [(fmt, name) for fmt in args.format for name in args.variants]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        modules = dict(zip(kernels, pool.map(lambda k: build(k[1], k[0]), kernels)))
+        modules = dict(zip(kernels, pool.map(lambda k: build(k[1], k[0], args.source), kernels)))
     print(f"built {len(modules)} kernels", flush=True)
     if args.build_only:
         return 0
@@ -222,6 +227,7 @@ def probe(fmt: str, args, shapes, modules: dict, copy: float) -> None:
         if log is not None:  # after every variant: a run cut short keeps what it measured
             done = args.variants[:args.variants.index(name) + 1]
             run = {"benchmark": "CUDA kernel variants", "format": fmt, "copy_tb_per_s": copy,
+                   "source_sha256": hashlib.sha256(args.source.read_bytes()).hexdigest(),
                    "repeats": args.repeats, "layout": args.layout,
                    "variants": {n: VARIANTS[n] for n in done}, "results": rows}
             print(f"wrote {log.save(run)}", flush=True)
