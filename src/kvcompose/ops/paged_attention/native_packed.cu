@@ -167,23 +167,32 @@ __device__ __forceinline__ void ternary_word(uint32_t w, uint32_t s2, uint32_t* 
   for (int i = 0; i < 4; ++i) e4m3x4_scaled(ternary_bytes(w, i), s2, out + 2 * i);
 }
 
-// INT-k codes in bits [0, k) of each half of x (k = code_bits) as the fp16 pair of the codes themselves:
-// OR-ing a code into the mantissa of 1024 gives 1024 + code exactly, and the subtraction leaves the code.
+// Code i of each half-word of an INT-k word w (k = code_bits, bits [k i, k i + k) of each half) as the fp16
+// pair of the codes themselves. A code OR-ed into the mantissa of 2^e at bit position p is 2^e + code x 2^(e - 10 + p)
+// exactly; with e = 10 - p that is 2^e + code, and subtracting 2^e leaves the code. So the codes that lie within the
+// ten mantissa bits (in_place of them: 5 INT2, 2 INT4 codes) need no shift, and the others one shift per word (by
+// the bits of the first in_place codes), shared by all of them: a mask-OR and a subtraction per pair, where a shift,
+// a mask, an OR and a subtraction were needed with every code shifted to bit 0.
+__host__ __device__ constexpr int in_place(int f) { return 10 / code_bits(f); }
 template <int F>
-__device__ __forceinline__ uint32_t code_pair(uint32_t x) {
-  constexpr uint32_t MASK = code_bits(F) == 4 ? 0x000F000Fu : 0x00030003u;
-  const uint32_t biased = (x & MASK) | 0x64006400u;
-  uint32_t r;
-  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(biased), "r"(0x64006400u));
+__device__ __forceinline__ uint32_t code_pair(uint32_t w, int i) {
+  constexpr int BITS = code_bits(F), N = in_place(F);
+  const int at = BITS * (i % N);                                   // the code's bit in the (shifted) half-word
+  const uint32_t x = w >> (BITS * N * (i / N));                    // constant after unrolling: 0 or one shift
+  const uint32_t mask = ((1u << BITS) - 1) * 0x10001u << at;
+  const uint32_t base = (uint32_t)(25 - at) * 0x04000400u;        // fp16 2^(10 - at), twice
+  uint32_t biased, r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(biased) : "r"(x), "r"(mask), "r"(base));  // (x & mask) | base
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(biased), "r"(base));
   return r;
 }
 
 // The same codes as the fp16 pair code x scale + minimum (s2, m2: fp16 pairs): the fused multiply-add
 // rounds once (as the reference's fp32 decode rounded to fp16 does).
 template <int F>
-__device__ __forceinline__ uint32_t int_pair(uint32_t x, uint32_t s2, uint32_t m2) {
+__device__ __forceinline__ uint32_t int_pair(uint32_t w, int i, uint32_t s2, uint32_t m2) {
   uint32_t r;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(code_pair<F>(x)), "r"(s2), "r"(m2));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(code_pair<F>(w, i)), "r"(s2), "r"(m2));
   return r;
 }
 
@@ -192,10 +201,7 @@ __device__ __forceinline__ uint32_t int_pair(uint32_t x, uint32_t s2, uint32_t m
 template <int F, int REGS, bool SCALED = true>
 __device__ __forceinline__ void int_word(uint32_t w, uint32_t s2, uint32_t m2, uint32_t* out) {
 #pragma unroll
-  for (int r = 0; r < REGS; ++r) {
-    const uint32_t x = w >> (code_bits(F) * r);
-    out[r] = SCALED ? int_pair<F>(x, s2, m2) : code_pair<F>(x);
-  }
+  for (int r = 0; r < REGS; ++r) out[r] = SCALED ? int_pair<F>(w, r, s2, m2) : code_pair<F>(w, r);
 }
 
 // One key code word of format F decoded into Shape::REGS fp16 pairs (key_channel's order); m2: the
@@ -224,8 +230,8 @@ __device__ __forceinline__ void decode_token_pair(uint32_t w0, uint32_t w1, uint
     const uint32_t x0 = __byte_perm(w0, w1, 0x5410), x1 = __byte_perm(w0, w1, 0x7632);
 #pragma unroll
     for (int c = 0; c < HALF; ++c) {
-      out[c] = int_pair<F>(x0 >> (BITS * c), s2, m2);
-      out[HALF + c] = int_pair<F>(x1 >> (BITS * c), s2, m2);
+      out[c] = int_pair<F>(x0, c, s2, m2);
+      out[HALF + c] = int_pair<F>(x1, c, s2, m2);
     }
   } else if constexpr (F == TERNARY) {
 #pragma unroll
