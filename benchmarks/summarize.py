@@ -322,6 +322,31 @@ def full_attention_grid(runs: list[dict], layout: str = DEFAULT_POOL_LAYOUT) -> 
     return full[-1] if full else None
 
 
+def runs_since_grid(runs: list[dict], grid: dict) -> list[dict]:
+    """The runs of a few formats (``narrowed``) made after ``grid`` on its pool layout and launch settings:
+    what changed since, beside the grid's figure of the same (format, kernel, shape)."""
+    after = runs[next(i for i, r in enumerate(runs) if r is grid) + 1:]
+    return [r for r in after if r.get("narrowed") and not r.get("smoke") and r.get("layout", "slot") ==
+            grid.get("layout", "slot") and r.get("riders_in_merge", "native") == grid.get("riders_in_merge", "native")]
+
+
+def attention_since_grid(lines: list[str], runs: list[dict], grid: dict) -> None:
+    """One table per run of a few formats made after the grid: each row beside the grid's figure."""
+    def key(r: dict) -> tuple:
+        return r["format"], r.get("kernel", "triton"), r["batch"], r["tokens"], r.get("head_dim", 128)
+
+    before = {key(r): r for r in grid["results"]}
+    for run in runs_since_grid(runs, grid):
+        rows = [[r["format"], r.get("kernel", "triton"), f"{r['batch']}x{r['tokens']}x{r.get('head_dim', 128)}",
+                 f"{1e3 * r['ms']:.0f}", f"{100 * r['fraction_of_copy']:.0f}",
+                 f"{100 * before[key(r)]['fraction_of_copy']:.0f}" if key(r) in before else "—",
+                 f"{before[key(r)]['ms'] / r['ms']:.2f}" if key(r) in before else "—"] for r in run["results"]]
+        lines += [f"### A run of {', '.join(run['formats'])} since the grid", "",
+                  f"{_env(run)}; copy bandwidth {run['copy_tb_per_s']:.2f} TB/s. *grid*: the grid above; *x grid*: "
+                  "its time over this run's (two runs: compare with the bf16 rows of both).", ""]
+        lines += _table(["format", "kernel", "B x L x D", "µs", "% of copy", "grid % of copy", "x grid"], rows) + [""]
+
+
 def attention_layouts(lines: list[str], runs: list[dict]) -> None:
     """The newest full grid of each pool layout side by side: what the default layout buys."""
     slot, head = (full_attention_grid(runs, layout) for layout in ("slot", "head"))
@@ -397,6 +422,7 @@ def attention(lines: list[str]) -> None:
              f"{r['max_abs_diff_vs_reference']:.1e}"] for r in data["results"]]
     lines += _table(["format", "kernel", "B x L x D", "launch", "µs", "TB/s", "% of copy", "SDPA µs", "x SDPA",
                      "x bf16 kernel", "max diff vs ref"], rows) + [""]
+    attention_since_grid(lines, runs, data)
     attention_layouts(lines, runs)
 
 

@@ -147,6 +147,33 @@ def test_the_attention_section_sets_the_newest_grid_of_each_pool_layout_side_by_
     assert lines == []
 
 
+def test_runs_of_a_few_formats_after_the_grid_are_shown_beside_its_figures():
+    summarize = _summarize()
+
+    def run(ms, **extra):
+        rows = [{"format": f, "kernel": "cuda", "batch": 16, "tokens": 8192, "head_dim": 128, "ms": ms[f],
+                 "fraction_of_copy": 0.1 / ms[f]} for f in ms]
+        return {"environment": {"gpu": "NVIDIA H200", "date": "d"}, "copy_tb_per_s": 4.28, "results": rows,
+                "layout": "head", "formats": list(ms), **extra}
+
+    older = run({"int2": 0.25}, narrowed=True)
+    grid = run({"bf16": 0.2, "int2": 0.2, "nvfp4": 0.1}, narrowed=False)
+    smoke = run({"int2": 0.01}, narrowed=True, smoke=True)
+    other_layout = run({"int2": 0.01}, narrowed=True, layout="slot")
+    newer = run({"bf16": 0.2, "int2": 0.16, "int8": 0.3}, narrowed=True)
+    runs = [older, grid, smoke, other_layout, newer]
+    assert summarize.full_attention_grid(runs) is grid
+    assert summarize.runs_since_grid(runs, grid) == [newer]
+    lines = []
+    summarize.attention_since_grid(lines, runs, grid)
+    assert "### A run of bf16, int2, int8 since the grid" in lines
+    assert "| int2 | cuda | 16x8192x128 | 160 | 62 | 50 | 1.25 |" in lines
+    assert "| int8 | cuda | 16x8192x128 | 300 | 33 | — | — |" in lines  # not in the grid
+    lines = []
+    summarize.attention_since_grid(lines, runs[:2], grid)
+    assert lines == []
+
+
 def long_record(policy: str, run: str, **fields) -> dict:
     """A scenario-long record of batch 16 with ``fields`` added."""
     return {"policy": policy, "scenario": "long", "run": run, "batch": 16, "new_tokens": 512, "ms_per_step": 10.0,

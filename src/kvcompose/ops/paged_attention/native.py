@@ -8,7 +8,7 @@ memory and reads each thread's mma fragment straight from them (see the notes at
 the ``.cu`` file). Ternary pools (ThinKV's T class) share its code path: both formats carry an
 E4M3 scale per 16 channels, and only the decoding of a code word differs. INT4 and INT2 pools in
 groups of 32 channels with fp16 scales (the ``int`` quantizer's ``group_size=32``, what ``thinkv-int``
-keeps) take it too: a code becomes ``code x scale + minimum`` in fp16 by a mask, an OR, a subtraction
+keeps) take it too: a code becomes ``code x scale + minimum`` in fp16 by one mask-OR, a subtraction
 and a fused multiply-add per pair of values. KIVI pools (the ``kivi2`` and ``kivi4`` presets: keys per
 channel over token groups of 32, values per token over the whole head) take it with their key scales
 folded into the queries once per tile. It writes partial

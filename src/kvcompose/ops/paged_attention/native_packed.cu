@@ -25,15 +25,16 @@
 //   (8 NVFP4 or 16 ternary codes) decodes into fp16 pairs whose channels follow one rule
 //   (word_channel), so the query gather and the output scatter do not depend on the format.
 // * INT4 and INT2 codes (asymmetric, an fp16 scale and minimum per 32 channels of a token) are
-//   OR-ed into the mantissa of 1024 in fp16, which gives 1024 + code exactly; one subtraction and
-//   one fused multiply-add per pair of values give code x scale + minimum, rounded once. They take
-//   a code from each half of a word at once, so their keys' and values' channel orders differ from
-//   word_channel's (key_channel, value_channel).
+//   OR-ed into the mantissa of a power of two in fp16 where they lie (2^(10 - p) for a code at bit p),
+//   which gives that power + code exactly; one subtraction and one fused multiply-add per pair of
+//   values give code x scale + minimum, rounded once (code_pair). They take a code from each half of
+//   a word at once, so their keys' and values' channel orders differ from word_channel's
+//   (key_channel, value_channel).
 // * KIVI pools (INT4 or INT2) keep the values so (one scale and minimum per token and head), and the keys
 //   per channel: a scale and minimum per channel over a group of 32 tokens, one tile. Their scales go into
 //   the queries once per tile (q x scale: one multiply per pair of channels) and their minimums into one
 //   bias per query head (q . minimum, one mma per k-step whose every row is the minimums), so the key
-//   codes reach the mma as the exact small integers they are: a mask, an OR and a subtraction per pair.
+//   codes reach the mma as the exact small integers they are: a mask-OR and a subtraction per pair.
 //
 // The program writes one partial result (output and log2-sum-exp) in the layout the Triton
 // merge kernel reads, so the recent buffer and other sources join in the same merge.
