@@ -10,12 +10,20 @@ NVIDIA's wheels on PyPI (``nvidia-cuda-nvcc``, ``nvidia-nvvm``, ``nvidia-cuda-ru
 ``nvidia-cuda-cccl`` of one CUDA release, unpacked into one tree: its ``bin/nvcc``, with
 ``--include`` at its ``include/cccl``). A development tool: stdout only.
 
+With ``--loop`` it also disassembles the kernels (``cuobjdump`` from ``--cuobjdump``, ``CUDA_HOME``, ``PATH``
+or NVIDIA's ``nvidia-cuda-cuobjdump`` wheel) and counts the instructions of each kernel's tile loop by
+opcode: the loop is the backward branch's span with the most ``HMMA``. What a change to the decode costs per
+tile, before it goes to a GPU.
+
     python benchmarks/tools/native_compile.py --nvcc /opt/cuda/bin/nvcc
+    python benchmarks/tools/native_compile.py --nvcc /opt/cuda/bin/nvcc --loop
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import importlib.util
 import os
 import re
 import shutil
@@ -87,11 +95,65 @@ def compile_kernels(nvcc: str, include: list[str], arch: str = "sm_90") -> list[
     return [f"{formats[int(m.group(1))]} D={m.group(2)} {m.group(3)}: {u}" for m, u in zip(names, usage) if m]
 
 
+def find_cuobjdump(given: str | None) -> str | None:
+    if given:
+        return given
+    home = os.environ.get("CUDA_HOME")
+    if home and (Path(home) / "bin" / "cuobjdump").exists():
+        return str(Path(home) / "bin" / "cuobjdump")
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    spec = importlib.util.find_spec("nvidia")  # NVIDIA's wheels: nvidia/cu*/bin/cuobjdump
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(Path(root).glob("cu*/bin/cuobjdump")):
+            return str(path)
+    return None
+
+
+def loop_counts(sass: str) -> dict[str, collections.Counter]:
+    """Per kernel of ``cuobjdump -sass`` output (``FORMAT D=.. dtype``): the opcodes of its tile loop, the span of
+    the backward branch that holds the most HMMA (the shortest such span)."""
+    formats = {code: name for name, code in format_codes(SOURCE.read_text()).items()}
+    counts = {}
+    for function in re.split(r"\n\s*Function : ", sass)[1:]:
+        m = re.search(r"packed_partial_kernelILi(\d+)ELi(\d+)E(\w+?)EEv", function.split("\n", 1)[0])
+        if not m:
+            continue
+        code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", function)]
+        best = None
+        for at, op in code:
+            branch = re.search(r"\bBRA (0x[0-9a-f]+)", op)
+            if branch and int(branch.group(1), 16) < at:
+                span = [o for a, o in code if int(branch.group(1), 16) <= a <= at]
+                key = (sum("HMMA" in o for o in span), -len(span))
+                best = max(best, (key, span)) if best else (key, span)
+        if best:
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0].split(".")[0] for o in best[1])
+            counts[f"{formats[int(m.group(1))]} D={m.group(2)} {re.sub(r'^[0-9]+', '', m.group(3))}"] = ops
+    return counts
+
+
+def disassemble(nvcc: str, cuobjdump: str, include: list[str], arch: str = "sm_90") -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "native_device.cu"
+        path.write_text(device_source(SOURCE.read_text()))
+        cubin = Path(tmp) / "native.cubin"
+        cmd = [nvcc, f"-arch={arch}", "-O3", "-std=c++17", "-cubin", str(path), "-o", str(cubin),
+               *[f"-I{i}" for i in include]]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        return subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nvcc", help="the nvcc to use (default: CUDA_HOME/bin/nvcc, then PATH)")
     p.add_argument("--include", action="append", default=[], help="more include folders (the CCCL headers)")
     p.add_argument("--arch", default="sm_90")
+    p.add_argument("--loop", action="store_true", help="also count each kernel's tile-loop instructions (cuobjdump)")
+    p.add_argument("--cuobjdump", help="the cuobjdump to use (default: CUDA_HOME/bin, PATH, NVIDIA's wheel)")
     args = p.parse_args(argv)
     nvcc = find_nvcc(args.nvcc)
     if nvcc is None:
@@ -99,6 +161,14 @@ def main(argv=None) -> int:
         return 2
     for line in compile_kernels(nvcc, args.include, args.arch):
         print(line)
+    if args.loop:
+        cuobjdump = find_cuobjdump(args.cuobjdump)
+        if cuobjdump is None:
+            print("no cuobjdump: pass --cuobjdump, or pip install nvidia-cuda-cuobjdump", file=sys.stderr)
+            return 2
+        for name, ops in loop_counts(disassemble(nvcc, cuobjdump, args.include, args.arch)).items():
+            print(f"{name}: loop {sum(ops.values())} instructions: "
+                  + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
     return 0
 
 

@@ -80,3 +80,26 @@ def test_the_head_major_stand_ins_are_refused_on_head_major_pools(probe, capsys)
         probe.main(["--layout", "head", "--variants", "base", "head_major_copy"])
     assert "variants head_major_copy read slot-major pools at head-major addresses; give --layout slot" in (
         capsys.readouterr().err)
+
+
+def test_the_compile_tool_counts_the_tile_loop_of_each_kernel(compile_tool):
+    """The loop is the backward branch's span with the most HMMA: an earlier, shorter loop without products
+    (the prologue's) and the code after the loop are not counted."""
+    sass = """
+        Function : _ZN12_GLOBAL__N_121packed_partial_kernelILi3ELi128E13__nv_bfloat16EEvPKT1_
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/               @P0 BRA 0x10 ;
+        /*0030*/                   LOP3.LUT R4, R4, 0x30003, R9, 0xea, !PT ;
+        /*0040*/                   HADD2 R4, R4, -1024, -1024 ;
+        /*0050*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0060*/              @!P1 BRA 0x30 ;
+        /*0070*/                   EXIT ;
+"""
+    counts = compile_tool.loop_counts(sass)
+    assert list(counts) == ["INT2 D=128 __nv_bfloat16"]
+    assert counts["INT2 D=128 __nv_bfloat16"] == {"LOP3": 1, "HADD2": 1, "HMMA": 1, "BRA": 1}
+
+
+def test_the_compile_tool_takes_the_cuobjdump_it_is_given(compile_tool):
+    assert compile_tool.find_cuobjdump("/opt/cuda/bin/cuobjdump") == "/opt/cuda/bin/cuobjdump"
