@@ -83,8 +83,8 @@ VARIANTS = {
                    "void fp4_word(uint32_t w, uint32_t s2, uint32_t* out) {\n  out[0] = w ^ s2; out[1] = w + s2; "
                    "out[2] = w - s2; out[3] = w | s2; return;")],
     # stand-ins for the INT and ternary decodes: a code pair becomes an fp16 pair by one logic operation
-    "no_decode_int": [('  asm("fma.rn.f16x2 %0, %1, %2, %3;\\n" : "=r"(r) : "r"(code_pair<F>(w, i)), "r"(s2), "r"(m2));',
-                       "  r = w ^ s2 ^ m2 ^ i;")],
+    "no_decode_int": [('  asm("fma.rn.f16x2 %0, %1, %2, %3;\\n" : "=r"(r) : "r"(code_pair<F>(w, i)), '
+                       '"r"(s2), "r"(m2));', "  r = w ^ s2 ^ m2 ^ i;")],
     "no_decode_ternary": [("void e4m3x4_scaled(uint32_t e, uint32_t s2, uint32_t* out) {",
                            "void e4m3x4_scaled(uint32_t e, uint32_t s2, uint32_t* out) {\n  out[0] = e ^ s2; "
                            "out[1] = e + s2; return;")],
@@ -102,7 +102,8 @@ VARIANTS = {
     # holds (the waits, fragment reads, decode, products and softmax stay)
     "no_copy": [(ISSUE, "") for ISSUE in (
         "    if (i < tiles) issue_tile<F, D>(base + i * Stage<F, D>::BYTES, slot, p, lane, at.copy);\n",
-        "    if (ahead < tiles) issue_tile<F, D>(base + (ahead % STAGES) * Stage<F, D>::BYTES, slot, p, lane, at.copy);\n")],
+        "    if (ahead < tiles) issue_tile<F, D>(base + (ahead % STAGES) * Stage<F, D>::BYTES, slot, p, lane, "
+        "at.copy);\n")],
     # ... the ring of copies alone
     "copy_only": [(READ, ""), (ATTEND, "")],
     # ... the copies of the code rows alone (no scales, no validity)
