@@ -20,6 +20,8 @@ against the torch reference on its first rows.
 
     python benchmarks/bench_attention_gpu.py --smoke     # a few seconds
     python benchmarks/bench_attention_gpu.py             # the grid -> results/attention_gpu.json
+    python benchmarks/bench_attention_gpu.py --formats bf16 kivi2 --buffer 160 --split-min 32
+                                                         # KIVI's window as the buffer, short splits
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    global LAYOUT, BUFFER
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="two small shapes, few repeats")
     p.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
@@ -223,15 +226,24 @@ def main(argv=None) -> int:
                    help="where the recent buffer beside CUDA-read pools is computed (launch.RIDERS_IN_MERGE)")
     p.add_argument("--layout", choices=list(POOL_LAYOUTS), default=DEFAULT_POOL_LAYOUT,
                    help="how the pools' (slot, head) rows lie (Policy.pool_layout; default: the Policy default)")
+    p.add_argument("--buffer", type=int, default=BUFFER,
+                   help="tokens per row in the bf16 recent buffer (16; KIVI's presets hold 128-160 there)")
+    p.add_argument("--split-min", type=int, default=launch.TOKENS_PER_SPLIT_MIN,
+                   help="fewest tokens per split of a Triton-read source (launch.TOKENS_PER_SPLIT_MIN)")
     p.add_argument("--out", default=str(result_path("attention_gpu")), help="history file the run is added to")
     args = p.parse_args(argv)
-    global LAYOUT
-    LAYOUT = args.layout
+    shortest = min(length for _, length, _ in (SMOKE_SHAPES if args.smoke else SHAPES))
+    if not 1 <= args.buffer <= shortest // 2:
+        p.error(f"--buffer {args.buffer}: give 1 to {shortest // 2} tokens (half the shortest row of the grid)")
+    if args.split_min < 1:
+        p.error(f"--split-min {args.split_min}: give a positive number of tokens")
+    LAYOUT, BUFFER = args.layout, args.buffer
     if not torch.cuda.is_available():
         print("bench_attention_gpu needs a CUDA GPU", file=sys.stderr)
         return 2
     log = ResultLog(args.out)
     launch.RIDERS_IN_MERGE = args.riders_in_merge
+    launch.TOKENS_PER_SPLIT_MIN = args.split_min
     wall = time.perf_counter()
     status = native.native_status(torch.device("cuda"))
     print(f"CUDA kernel: {status['kernel']} ({status['reason']})", flush=True)
@@ -242,7 +254,8 @@ def main(argv=None) -> int:
             "shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "block_size": BLOCK, "mixed": MIXED, "mixed_int": MIXED_INT,
                        "block_sizes": BLOCK_SIZES,
                        "buffer_tokens": BUFFER},
-            "riders_in_merge": args.riders_in_merge, "layout": args.layout, "formats": args.formats,
+            "riders_in_merge": args.riders_in_merge, "tokens_per_split_min": args.split_min,
+            "layout": args.layout, "formats": args.formats,
             "narrowed": set(args.formats) != set(FORMATS),
             "targets": TARGETS, "copy_tb_per_s": copy, "native_kernel": status, "results": results,
             "seconds": time.perf_counter() - wall}

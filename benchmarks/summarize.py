@@ -28,6 +28,9 @@ from harness.tp_section import tensor_parallel  # noqa: E402
 RESULTS = ROOT / "results"
 #: ``kvcompose.policies.policy.DEFAULT_POOL_LAYOUT`` (a test keeps the two equal; the page needs no torch).
 DEFAULT_POOL_LAYOUT = "head"
+#: ``launch.TOKENS_PER_SPLIT_MIN`` and the attention benchmark's ``BUFFER``: the launch settings of its grids
+#: (a test keeps them equal)
+TOKENS_PER_SPLIT_MIN, DEFAULT_BUFFER = 256, 16
 OUT = ROOT.parent / "docs" / "benchmark-results.md"
 SVG = ROOT.parent / "docs" / "results" / "e2e_throughput.svg"
 BASELINE = "transformers-static"
@@ -304,15 +307,23 @@ def _throughput_svg(records: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def launch_settings(run: dict) -> tuple:
+    """An attention run's recent buffer and launch settings (``--riders-in-merge``, ``--buffer``, ``--split-min``),
+    as runs made before an option existed ran it."""
+    return (run.get("riders_in_merge", "native"), run.get("shapes", {}).get("buffer_tokens", DEFAULT_BUFFER),
+            run.get("tokens_per_split_min", TOKENS_PER_SPLIT_MIN))
+
+
 def full_attention_grid(runs: list[dict], layout: str = DEFAULT_POOL_LAYOUT) -> dict | None:
     """The newest run of the whole grid at the default launch settings on pools of ``layout``
     (runs before ``--layout`` existed are slot-major). Runs of a few formats (``--formats``: newer
     runs record ``narrowed``; in older ones, a grid has the bf16 row and every format of the grids
-    before it) or with the recent buffer placed otherwise (``--riders-in-merge``) answer a narrower
-    question and stay in the JSON only."""
+    before it) or with the recent buffer or the splits set otherwise (``--riders-in-merge``, ``--buffer``,
+    ``--split-min``) answer a narrower question and stay in the JSON only."""
     full, seen = [], set()
+    default = ("native", DEFAULT_BUFFER, TOKENS_PER_SPLIT_MIN)
     for r in runs:
-        if r.get("smoke") or r.get("riders_in_merge", "native") != "native" or r.get("layout", "slot") != layout:
+        if r.get("smoke") or launch_settings(r) != default or r.get("layout", "slot") != layout:
             continue
         formats = {x["format"] for x in r.get("results", ())}
         grid = not r["narrowed"] if "narrowed" in r else ("bf16" in formats and formats >= seen)
@@ -327,7 +338,7 @@ def runs_since_grid(runs: list[dict], grid: dict) -> list[dict]:
     what changed since, beside the grid's figure of the same (format, kernel, shape)."""
     after = runs[next(i for i, r in enumerate(runs) if r is grid) + 1:]
     return [r for r in after if r.get("narrowed") and not r.get("smoke") and r.get("layout", "slot") ==
-            grid.get("layout", "slot") and r.get("riders_in_merge", "native") == grid.get("riders_in_merge", "native")]
+            grid.get("layout", "slot") and launch_settings(r) == launch_settings(grid)]
 
 
 def attention_since_grid(lines: list[str], runs: list[dict], grid: dict) -> None:

@@ -59,3 +59,23 @@ def test_head_major_pools_hold_the_same_store(bench, monkeypatch):
     assert pool_of(r) == pool_of(e)
     torch.testing.assert_close(paged_decode_attention_torch(query, moved, 0.125),
                                paged_decode_attention_torch(query, slot_major, 0.125), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("argv,said", [(["--buffer", "0"], "--buffer 0: give 1 to 512 tokens"),
+                                       (["--buffer", "600"], "--buffer 600: give 1 to 512 tokens"),
+                                       (["--smoke", "--buffer", "600"], "--buffer 600: give 1 to 512 tokens"),
+                                       (["--split-min", "0"], "--split-min 0: give a positive number of tokens")])
+def test_the_buffer_and_split_options_refuse_what_the_grid_cannot_hold(bench, capsys, argv, said):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert said in capsys.readouterr().err
+
+
+def test_a_longer_buffer_holds_its_tokens_beside_the_pool(bench, monkeypatch):
+    """``--buffer 160``: a window as long as KIVI's as the recent buffer; the pool keeps the rest of the row."""
+    from kvcompose.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "use_triton", lambda *args: False)
+    monkeypatch.setattr(bench, "BUFFER", 160)
+    *pools, buffer = bench.build("int2", 1, 224, "cpu", dim=64)
+    assert buffer.tokens == 160 and [s.tokens for s in pools] == [64]

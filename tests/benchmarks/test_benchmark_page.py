@@ -89,6 +89,17 @@ def test_the_page_knows_the_policy_default_pool_layout():
     assert _summarize().DEFAULT_POOL_LAYOUT == DEFAULT_POOL_LAYOUT
 
 
+def test_the_page_knows_the_attention_grids_launch_settings(monkeypatch):
+    from kvcompose.ops.paged_attention import launch
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_attention_gpu
+
+    summarize = _summarize()
+    assert (summarize.TOKENS_PER_SPLIT_MIN, summarize.DEFAULT_BUFFER) == (launch.TOKENS_PER_SPLIT_MIN,
+                                                                          bench_attention_gpu.BUFFER)
+
+
 def test_records_are_named_by_the_pool_layout_they_ran_on():
     """Before ``pool_layout`` was recorded, a name without ``@layout`` ran on slot-major pools."""
     summarize = _summarize()
@@ -160,8 +171,11 @@ def test_runs_of_a_few_formats_after_the_grid_are_shown_beside_its_figures():
     grid = run({"bf16": 0.2, "int2": 0.2, "nvfp4": 0.1}, narrowed=False)
     smoke = run({"int2": 0.01}, narrowed=True, smoke=True)
     other_layout = run({"int2": 0.01}, narrowed=True, layout="slot")
-    newer = run({"bf16": 0.2, "int2": 0.16, "int8": 0.3}, narrowed=True)
-    runs = [older, grid, smoke, other_layout, newer]
+    # a longer recent buffer or shorter splits answer another question: neither a grid nor beside it
+    long_buffer = run({"bf16": 0.2, "int2": 0.2, "nvfp4": 0.1}, narrowed=False, shapes={"buffer_tokens": 160})
+    short_splits = run({"bf16": 0.2, "int2": 0.2, "nvfp4": 0.1}, narrowed=False, tokens_per_split_min=32)
+    newer = run({"bf16": 0.2, "int2": 0.16, "int8": 0.3}, narrowed=True, tokens_per_split_min=256)
+    runs = [older, grid, smoke, other_layout, long_buffer, short_splits, newer]
     assert summarize.full_attention_grid(runs) is grid
     assert summarize.runs_since_grid(runs, grid) == [newer]
     lines = []
