@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     p.add_argument("--buffer", type=int, default=BUFFER,
                    help="tokens per row in the bf16 recent buffer (16; KIVI's presets hold 128-160 there)")
     p.add_argument("--split-min", type=int, default=launch.TOKENS_PER_SPLIT_MIN,
-                   help="fewest tokens per split of a Triton-read source (launch.TOKENS_PER_SPLIT_MIN)")
+                   help="fewest tokens per split of a source, in either kernel (launch.TOKENS_PER_SPLIT_MIN)")
     p.add_argument("--out", default=str(result_path("attention_gpu")), help="history file the run is added to")
     args = p.parse_args(argv)
     shortest = min(length for _, length, _ in (SMOKE_SHAPES if args.smoke else SHAPES))
