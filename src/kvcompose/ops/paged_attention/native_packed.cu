@@ -197,12 +197,12 @@ __device__ __forceinline__ uint32_t int_pair(uint32_t w, int i, uint32_t s2, uin
   return r;
 }
 
-// One INT-k code word of one token: out[r] = channels (r, r + REGS) of the word (key_channel's order),
-// as code x scale + minimum, or (SCALED false: KIVI keys) as the codes.
-template <int F, int REGS, bool SCALED = true>
+// One INT-k code word of one token: out[r] = channels (r, r + R) of the word (key_channel's order; R: the
+// codes per half-word), as code x scale + minimum, or (SCALED false: KIVI keys) as the codes.
+template <int F, bool SCALED = true>
 __device__ __forceinline__ void int_word(uint32_t w, uint32_t s2, uint32_t m2, uint32_t* out) {
 #pragma unroll
-  for (int r = 0; r < REGS; ++r) out[r] = SCALED ? int_pair<F>(w, r, s2, m2) : code_pair<F>(w, r);
+  for (int r = 0; r < 16 / code_bits(F); ++r) out[r] = SCALED ? int_pair<F>(w, r, s2, m2) : code_pair<F>(w, r);
 }
 
 // One key code word of format F decoded into Shape::REGS fp16 pairs (key_channel's order); m2: the
@@ -210,8 +210,8 @@ __device__ __forceinline__ void int_word(uint32_t w, uint32_t s2, uint32_t m2, u
 template <int F>
 __device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t m2, uint32_t* out) {
   if constexpr (F == TERNARY) ternary_word(w, s2, out);
-  else if constexpr (kivi_format(F)) int_word<F, 16 / code_bits(F), false>(w, s2, m2, out);
-  else if constexpr (int_format(F)) int_word<F, 16 / code_bits(F)>(w, s2, m2, out);
+  else if constexpr (kivi_format(F)) int_word<F, false>(w, s2, m2, out);
+  else if constexpr (int_format(F)) int_word<F>(w, s2, m2, out);
   else fp4_word(w, s2, out);
 }
 
@@ -226,8 +226,8 @@ template <int F>
 __device__ __forceinline__ void decode_token_pair(uint32_t w0, uint32_t w1, uint32_t s2, uint32_t m2, uint32_t* out) {
   if constexpr (int_format(F)) {
     // the first half-words of both tokens side by side, then the second: each half of x0 (x1) holds
-    // one token's codes of the word's first (second) half, so one shift and mask give a channel of both
-    constexpr int BITS = code_bits(F), HALF = 8 / BITS * 2;  // codes per half-word
+    // one token's codes of the word's first (second) half, so one code_pair gives a channel of both
+    constexpr int HALF = 16 / code_bits(F);  // codes per half-word
     const uint32_t x0 = __byte_perm(w0, w1, 0x5410), x1 = __byte_perm(w0, w1, 0x7632);
 #pragma unroll
     for (int c = 0; c < HALF; ++c) {
