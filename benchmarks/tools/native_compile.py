@@ -5,8 +5,8 @@ Where no GPU is at hand, this is how a change to ``native_packed.cu`` is checked
 to one. The launchers at the end of the file need torch's CUDA headers; the kernels do not, so
 the tool compiles the source up to the launchers, plus a host function that instantiates every
 kernel the launcher dispatches to (``KERNELS``: format, head dim, query dtype). ``nvcc`` comes
-from ``--nvcc``, ``CUDA_HOME`` or ``PATH``; a machine without a CUDA toolkit can take one from
-NVIDIA's wheels on PyPI (``nvidia-cuda-nvcc``, ``nvidia-nvvm``, ``nvidia-cuda-runtime`` and
+from ``--nvcc``, ``CUDA_HOME``, ``PATH`` or an installed NVIDIA wheel; a machine without a CUDA
+toolkit can take one from NVIDIA's wheels on PyPI (``nvidia-cuda-nvcc``, ``nvidia-nvvm``, ``nvidia-cuda-runtime`` and
 ``nvidia-cuda-cccl`` of one CUDA release, unpacked into one tree: its ``bin/nvcc``, with
 ``--include`` at its ``include/cccl``). A development tool: stdout only.
 
@@ -68,57 +68,62 @@ def device_source(source: str) -> str:
             "const float* vhs, const uint8_t* km, const uint8_t* vm, Regions R) {\n" + calls + "}\n")
 
 
-def find_nvcc(given: str | None) -> str | None:
+def find_tool(name: str, given: str | None) -> str | None:
+    """A CUDA tool (``nvcc``, ``cuobjdump``): ``given``, else ``CUDA_HOME/bin``, ``PATH``, NVIDIA's wheels
+    (``nvidia/cu*/bin``)."""
     if given:
         return given
     home = os.environ.get("CUDA_HOME")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+    if home and (Path(home) / "bin" / name).exists():
+        return str(Path(home) / "bin" / name)
+    found = shutil.which(name)
+    if found:
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(Path(root).glob(f"cu*/bin/{name}")):
+            return str(path)
+    return None
+
+
+def kernel_name(mangled: str) -> str | None:
+    """``FORMAT D=.. dtype`` of a kernel's mangled name, or None for another function."""
+    m = re.search(r"packed_partial_kernelILi(\d+)ELi(\d+)E\d+(\w+?)EEv", mangled)
+    if not m:
+        return None
+    formats = {code: name for name, code in format_codes(SOURCE.read_text()).items()}
+    return f"{formats[int(m.group(1))]} D={m.group(2)} {m.group(3)}"
+
+
+def run_nvcc(nvcc: str, include: list[str], arch: str, flags: list[str], then):
+    """Compile the kernels (:func:`device_source`) with ``flags`` in a scratch folder, and return
+    ``then(done, folder)`` while the folder's outputs are still there."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "native_device.cu"
+        path.write_text(device_source(SOURCE.read_text()))
+        done = subprocess.run([nvcc, f"-arch={arch}", "-O3", "-std=c++17", str(path), *flags,
+                               *[f"-I{i}" for i in include]], capture_output=True, text=True, cwd=tmp)
+        if done.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        return then(done, Path(tmp))
 
 
 def compile_kernels(nvcc: str, include: list[str], arch: str = "sm_90") -> list[str]:
     """Compile; returns ``ptxas``'s lines on registers and shared memory, one per kernel."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "native_device.cu"
-        path.write_text(device_source(SOURCE.read_text()))
-        cmd = [nvcc, f"-arch={arch}", "-O3", "-std=c++17", "-c", str(path), "-o", str(Path(tmp) / "native.o"),
-               "-Xptxas", "-v", *[f"-I{i}" for i in include]]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    done = run_nvcc(nvcc, include, arch, ["-c", "-o", "native.o", "-Xptxas", "-v"], lambda done, _: done)
     lines = (done.stdout + done.stderr).splitlines()
-    names = [re.search(r"packed_partial_kernelILi(\d+)ELi(\d+)E\d+(\w+?)EEv", line) for line in lines
-             if "Compiling entry" in line]
+    names = [kernel_name(line) for line in lines if "Compiling entry" in line]
     usage = [line.split(":", 1)[1].strip() for line in lines if "Used" in line]
-    formats = {code: name for name, code in format_codes(SOURCE.read_text()).items()}
-    return [f"{formats[int(m.group(1))]} D={m.group(2)} {m.group(3)}: {u}" for m, u in zip(names, usage) if m]
-
-
-def find_cuobjdump(given: str | None) -> str | None:
-    if given:
-        return given
-    home = os.environ.get("CUDA_HOME")
-    if home and (Path(home) / "bin" / "cuobjdump").exists():
-        return str(Path(home) / "bin" / "cuobjdump")
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    spec = importlib.util.find_spec("nvidia")  # NVIDIA's wheels: nvidia/cu*/bin/cuobjdump
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for path in sorted(Path(root).glob("cu*/bin/cuobjdump")):
-            return str(path)
-    return None
+    return [f"{name}: {u}" for name, u in zip(names, usage) if name]
 
 
 def loop_counts(sass: str) -> dict[str, collections.Counter]:
     """Per kernel of ``cuobjdump -sass`` output (``FORMAT D=.. dtype``): the opcodes of its tile loop, the span of
     the backward branch that holds the most HMMA (the shortest such span)."""
-    formats = {code: name for name, code in format_codes(SOURCE.read_text()).items()}
     counts = {}
     for function in re.split(r"\n\s*Function : ", sass)[1:]:
-        m = re.search(r"packed_partial_kernelILi(\d+)ELi(\d+)E(\w+?)EEv", function.split("\n", 1)[0])
-        if not m:
+        name = kernel_name(function.split("\n", 1)[0])
+        if name is None:
             continue
         code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", function)]
         best = None
@@ -129,22 +134,17 @@ def loop_counts(sass: str) -> dict[str, collections.Counter]:
                 key = (sum("HMMA" in o for o in span), -len(span))
                 best = max(best, (key, span)) if best else (key, span)
         if best:
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0].split(".")[0] for o in best[1])
-            counts[f"{formats[int(m.group(1))]} D={m.group(2)} {re.sub(r'^[0-9]+', '', m.group(3))}"] = ops
+            counts[name] = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0].split(".")[0]
+                                               for o in best[1])
     return counts
 
 
 def disassemble(nvcc: str, cuobjdump: str, include: list[str], arch: str = "sm_90") -> str:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "native_device.cu"
-        path.write_text(device_source(SOURCE.read_text()))
-        cubin = Path(tmp) / "native.cubin"
-        cmd = [nvcc, f"-arch={arch}", "-O3", "-std=c++17", "-cubin", str(path), "-o", str(cubin),
-               *[f"-I{i}" for i in include]]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        return subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    def sass(_, folder: Path) -> str:
+        return subprocess.run([cuobjdump, "-sass", str(folder / "native.cubin")], capture_output=True, text=True,
+                              check=True).stdout
+
+    return run_nvcc(nvcc, include, arch, ["-cubin", "-o", "native.cubin"], sass)
 
 
 def main(argv=None) -> int:
@@ -155,14 +155,14 @@ def main(argv=None) -> int:
     p.add_argument("--loop", action="store_true", help="also count each kernel's tile-loop instructions (cuobjdump)")
     p.add_argument("--cuobjdump", help="the cuobjdump to use (default: CUDA_HOME/bin, PATH, NVIDIA's wheel)")
     args = p.parse_args(argv)
-    nvcc = find_nvcc(args.nvcc)
+    nvcc = find_tool("nvcc", args.nvcc)
     if nvcc is None:
         print("no nvcc: pass --nvcc, set CUDA_HOME or put nvcc on PATH", file=sys.stderr)
         return 2
     for line in compile_kernels(nvcc, args.include, args.arch):
         print(line)
     if args.loop:
-        cuobjdump = find_cuobjdump(args.cuobjdump)
+        cuobjdump = find_tool("cuobjdump", args.cuobjdump)
         if cuobjdump is None:
             print("no cuobjdump: pass --cuobjdump, or pip install nvidia-cuda-cuobjdump", file=sys.stderr)
             return 2

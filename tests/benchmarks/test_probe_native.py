@@ -67,7 +67,7 @@ def test_the_compile_tool_instantiates_every_kernel_the_launcher_dispatches_to(c
 
 
 def test_the_compile_tool_builds_the_kernels_where_nvcc_is_installed(compile_tool):
-    nvcc = compile_tool.find_nvcc(None)
+    nvcc = compile_tool.find_tool("nvcc", None)
     if nvcc is None:
         pytest.skip("no nvcc (CUDA_HOME or PATH): benchmarks/tools/native_compile.py --nvcc compiles the kernels")
     lines = compile_tool.compile_kernels(nvcc, [])
@@ -101,5 +101,9 @@ def test_the_compile_tool_counts_the_tile_loop_of_each_kernel(compile_tool):
     assert counts["INT2 D=128 __nv_bfloat16"] == {"LOP3": 1, "HADD2": 1, "HMMA": 1, "BRA": 1}
 
 
-def test_the_compile_tool_takes_the_cuobjdump_it_is_given(compile_tool):
-    assert compile_tool.find_cuobjdump("/opt/cuda/bin/cuobjdump") == "/opt/cuda/bin/cuobjdump"
+def test_the_compile_tool_finds_a_cuda_tool_given_or_under_cuda_home(compile_tool, monkeypatch, tmp_path):
+    assert compile_tool.find_tool("cuobjdump", "/opt/cuda/bin/cuobjdump") == "/opt/cuda/bin/cuobjdump"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "cuobjdump").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert compile_tool.find_tool("cuobjdump", None) == str(tmp_path / "bin" / "cuobjdump")
