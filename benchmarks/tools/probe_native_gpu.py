@@ -6,8 +6,9 @@ its own name for one format (``--format``, NVFP4 by default; bf16 queries, head 
 that format's pool of :mod:`bench_attention_gpu`.
 A stand-in that speeds the kernel up a lot names the part worth rewriting. Results go to stdout
 and, with ``--out``, to a history file, saved after every variant
-(``benchmarks/results/probe_native_gpu.json`` is where the docs read them). The variants that keep the numbers exact print their largest error
-against the torch reference; the stand-ins' outputs are not checked.
+(``benchmarks/results/probe_native_gpu.json`` is where the docs read them). The variants that keep
+the numbers exact print their largest error against the torch reference; the stand-ins' outputs
+are not checked.
 
     python benchmarks/tools/probe_native_gpu.py --variants base stages3 no_cvt no_scale no_decode
     python benchmarks/tools/probe_native_gpu.py --variants base no_attend copy_only codes_only  # memory side
