@@ -468,6 +468,7 @@ def test_static_compaction_keeps_the_eager_tokens_without_reading_the_device(pag
     make = (lambda: GatherPager()) if pager == "gather" else (lambda: ContinuousThinkingPager(max_hole_blocks=holes))
     eager, static = filled(), filled()
     static.fix_capacity(48, hole_blocks=holes)
+    assert [r.static_holes for r in static.regions] == [holes != 0] * 2  # gather's flushes look for none
     shared = static.regions[0].reserve
     assert (shared is not None) == (holes is not None) and static.regions[1].reserve is shared
     free_before = None if shared is None else shared.count.clone()

@@ -18,25 +18,38 @@ def make_region(B: int, W: int, bs: int, seed: int):
     return table, length, valid, g
 
 
-def run(state, mask, backend, trash, bs):
+def run(state, mask, backend, trash, bs, holes=True):
     table, length, valid = state
     length, blocks = length.clone(), torch.zeros_like(length)
     overflow = torch.zeros((), dtype=torch.int32, device=length.device)
-    slot = claim_slots(table, length, blocks, valid, mask, trash, overflow, bs, backend=backend)
+    slot = claim_slots(table, length, blocks, valid, mask, trash, overflow, bs, backend=backend, holes=holes)
     return slot, length, blocks, overflow
 
 
+@pytest.mark.parametrize("holes", [True, False])
 @pytest.mark.parametrize("B,W,bs,N,seed", [(5, 3, 4, 4, 0), (4, 9, 16, 16, 1), (3, 70, 16, 12, 2), (6, 2, 8, 5, 3)])
-def test_kernel_matches_reference(B, W, bs, N, seed):
+def test_kernel_matches_reference(B, W, bs, N, seed, holes):
     table, length, valid, g = make_region(B, W, bs, seed)
     mask = torch.rand(B, N, generator=g) < 0.6
     mask[1] = True  # a row that writes all of its tokens, one that writes none
     mask[2] = False
     trash = (B * W + 2) * bs
-    want = run((table, length, valid), mask, "torch", trash, bs)
-    got = run((table, length, valid), mask, "triton", trash, bs)
+    want = run((table, length, valid), mask, "torch", trash, bs, holes)
+    got = run((table, length, valid), mask, "triton", trash, bs, holes)
     for a, b, name in zip(want, got, ("slot", "length", "num_blocks", "overflow")):
         assert torch.equal(a, b), name
+
+
+def test_without_holes_every_token_is_appended():
+    """``holes=False`` (nothing evicts in place): empty written slots are not looked for."""
+    table = torch.tensor([[5, 2, 7]])
+    valid = torch.zeros(40, dtype=torch.bool)
+    valid[[20, 22, 23, 8, 10]] = True  # what would be holes at 21 and 9
+    length = torch.tensor([6])
+    blocks, overflow = torch.zeros(1, dtype=torch.long), torch.zeros((), dtype=torch.int32)
+    mask = torch.tensor([[True, False, True, True]])
+    slot = claim_slots_torch(table, length, blocks, valid, mask, 39, overflow, 4, holes=False)
+    assert slot.tolist() == [10, 39, 11, 28] and length.tolist() == [9] and blocks.tolist() == [3]
 
 
 def test_holes_first_in_block_order_then_appended():

@@ -24,20 +24,22 @@ SCAN = 1024  # slots a program reads per iteration of its scan for holes
 @jit
 def _claim_slots_kernel(table_ptr, length_ptr, blocks_ptr, valid_ptr, mask_ptr, out_ptr, holes_ptr, overflow_ptr,
                         free_ptr, free_count_ptr, W, S1, trash, N: tl.constexpr, N_P: tl.constexpr,
-                        BS: tl.constexpr, SCAN: tl.constexpr, RESERVE: tl.constexpr, NEW_P: tl.constexpr):
+                        BS: tl.constexpr, SCAN: tl.constexpr, RESERVE: tl.constexpr, NEW_P: tl.constexpr,
+                        HOLES: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     length = tl.load(length_ptr + b)
     n_holes = tl.zeros((), dtype=tl.int32)
-    for start in range(0, W * BS, SCAN):  # the row's first N holes, in block order, to its scratch row
-        col = start + tl.arange(0, SCAN)
-        written = (col < length) & (col < W * BS)
-        block = tl.maximum(tl.load(table_ptr + b * W + col // BS, mask=written, other=0), 0)
-        phys = block * BS + col % BS
-        hole = written & (tl.load(valid_ptr + phys, mask=written, other=1) == 0)
-        rank = n_holes + tl.cumsum(hole.to(tl.int32), 0) - 1
-        tl.store(holes_ptr + b * N + rank, phys, mask=hole & (rank < N))
-        n_holes += tl.sum(hole.to(tl.int32), 0)
-    tl.debug_barrier()  # the scratch row is read back below, by other threads than wrote it
+    if HOLES:  # the row's first N holes, in block order, to its scratch row
+        for start in range(0, W * BS, SCAN):
+            col = start + tl.arange(0, SCAN)
+            written = (col < length) & (col < W * BS)
+            block = tl.maximum(tl.load(table_ptr + b * W + col // BS, mask=written, other=0), 0)
+            phys = block * BS + col % BS
+            hole = written & (tl.load(valid_ptr + phys, mask=written, other=1) == 0)
+            rank = n_holes + tl.cumsum(hole.to(tl.int32), 0) - 1
+            tl.store(holes_ptr + b * N + rank, phys, mask=hole & (rank < N))
+            n_holes += tl.sum(hole.to(tl.int32), 0)
+        tl.debug_barrier()  # the scratch row is read back below, by other threads than wrote it
     j = tl.arange(0, N_P)
     inside = j < N
     take = (tl.load(mask_ptr + b * N + j, mask=inside, other=0) != 0) & inside
@@ -73,7 +75,8 @@ def _claim_slots_kernel(table_ptr, length_ptr, blocks_ptr, valid_ptr, mask_ptr, 
 
 def claim_slots(table: torch.Tensor, length: torch.Tensor, num_blocks: torch.Tensor, valid: torch.Tensor,
                 mask: torch.Tensor, trash: int, overflow: torch.Tensor, block_size: int,
-                reserve: tuple[torch.Tensor, torch.Tensor] | None = None, backend: str | None = None) -> torch.Tensor:
+                reserve: tuple[torch.Tensor, torch.Tensor] | None = None, backend: str | None = None,
+                holes: bool = True) -> torch.Tensor:
     """The pool slots ``[B * N]`` (row-major) where the ``mask``-selected tokens of ``[B, N]`` go
     in a region whose rows own the blocks of ``table`` ``[B, W]`` and have written
     ``length`` ``[B]`` slots, ``valid`` being the pool's flat live bits: each row's earliest
@@ -86,7 +89,11 @@ def claim_slots(table: torch.Tensor, length: torch.Tensor, num_blocks: torch.Ten
     blocks so far (-1 after them): a row that needs more takes them off its stack, newest first,
     into its table; a row whose stack runs out sets ``overflow`` and sends what does not fit to
     ``trash``. Nothing is read on the host. ``backend`` as the other per-step ops
-    (:func:`~kvcompose.ops.dispatch.step_kernel_runs`)."""
+    (:func:`~kvcompose.ops.dispatch.step_kernel_runs`).
+
+    ``holes=False``: the region can have none (nothing evicts it in place), so the scan of each
+    row's written slots is left out. That scan is most of the launch at long rows: 48 µs a call
+    at batch 16 and 8,192-token rows on an H200 (``profile_decode_gpu.json``, fullkv)."""
     B, N = mask.shape
     if table.dtype != torch.long or length.dtype != torch.long or mask.dtype != torch.bool:
         raise ValueError(f"claim_slots: table and length must be int64 and mask bool, got {table.dtype}, "
@@ -96,23 +103,25 @@ def claim_slots(table: torch.Tensor, length: torch.Tensor, num_blocks: torch.Ten
     if not table.is_contiguous():
         raise ValueError("claim_slots: the table must be contiguous (new blocks are written into it)")
     if not step_kernel_runs(mask, _claim_slots_kernel, backend):
-        return claim_slots_torch(table, length, num_blocks, valid, mask, trash, overflow, block_size, reserve)
+        return claim_slots_torch(table, length, num_blocks, valid, mask, trash, overflow, block_size, reserve, holes)
     out = torch.empty(B, N, dtype=torch.long, device=mask.device)
-    holes = torch.empty(B, N, dtype=torch.long, device=mask.device)  # scratch: each row's first holes
+    scratch = torch.empty(B, N, dtype=torch.long, device=mask.device)  # each row's first holes
     free, count = reserve if reserve is not None else (table, length)  # unread without a reserve
     _claim_slots_kernel[(B,)](table, length, num_blocks, valid.view(torch.uint8), mask.contiguous(),
-                              out, holes, overflow, free, count, table.shape[1], free.shape[1], trash, N=N,
+                              out, scratch, overflow, free, count, table.shape[1], free.shape[1], trash, N=N,
                               N_P=next_pow2(N), BS=block_size, SCAN=SCAN, RESERVE=reserve is not None,
-                              NEW_P=next_pow2(-(-N // block_size) + 1), num_warps=4)
+                              NEW_P=next_pow2(-(-N // block_size) + 1), HOLES=holes, num_warps=4)
     return out.reshape(-1)
 
 
 def claim_slots_torch(table, length, num_blocks, valid, mask, trash: int, overflow, block_size: int,
-                      reserve: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      reserve: tuple[torch.Tensor, torch.Tensor] | None = None, holes: bool = True) -> torch.Tensor:
     """Reference of :func:`claim_slots` in torch ops."""
     bs, n = block_size, mask.shape[1]
     width = table.shape[1]
     phys, hole = holes_in_rows(table, length, valid, bs)
+    if not holes:
+        hole = torch.zeros_like(hole)
     hole_rank = hole.cumsum(1) - 1
     into = torch.where(hole & (hole_rank < n), hole_rank, n)  # column n collects the rest
     holes = phys.new_zeros(phys.shape[0], n + 1).scatter_(1, into, phys)[:, :n]

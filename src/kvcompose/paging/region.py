@@ -28,6 +28,9 @@ class Region:
         # Set by pagers that evict in place (``ct``): empty slots inside the written
         # range exist and are refilled before the row grows.
         self.has_holes = False
+        # Static mode: whether later evictions may leave holes (:meth:`fix_width`'s ``holes``);
+        # where none can, a flush does not look for them.
+        self.static_holes = True
         # Static mode (:meth:`fix_width`): every table entry holds a block from the start,
         # state changes in place, and a row that outgrows its table sets ``overflow``.
         self.static = False
@@ -57,7 +60,7 @@ class Region:
                 raise ValueError(f"format {pool.codec.name!r} can only append whole groups of {g} tokens")
         rank = (mask.cumsum(1) - 1)[mask]
         rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(mask)[mask]
-        holes, n_holes = self._holes() if (self.has_holes or self.static) else (None, torch.zeros_like(count))
+        holes, n_holes = self._holes() if self._may_have_holes() else (None, torch.zeros_like(count))
         if holes is not None and holes.shape[1] == 0:
             holes = None
         appended = (count - n_holes).clamp(min=0)
@@ -86,7 +89,11 @@ class Region:
         valid = self.pool.flat_slots(self.pool.meta)["valid"]
         reserve = None if self.reserve is None else (self.reserve.ids, self.reserve.count)
         return claim_slots(self.table, self.length, self.num_blocks, valid, mask, self.pool.trash_slot,
-                           self.overflow, self.pool.block_size, reserve)
+                           self.overflow, self.pool.block_size, reserve, holes=self._may_have_holes())
+
+    def _may_have_holes(self) -> bool:
+        """Whether a row's written slots may include empty ones that a write refills first."""
+        return self.has_holes or (self.static and self.static_holes)
 
     def _holes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty slots inside each row's written range: pool slots ``[B, n]`` (in block order) and counts ``[B]``."""
@@ -181,12 +188,14 @@ class Region:
             flat[src] = empty_value(name)
         self.release_empty_blocks()
 
-    def fix_width(self, width: int, reserve=None) -> None:
+    def fix_width(self, width: int, reserve=None, holes: bool = True) -> None:
         """Static mode: give every row ``width`` blocks now (keeping the ones it has; table
         columns beyond ``width`` that no row uses go), so that appends never allocate, and keep
         all state in these tensors from now on. With a ``reserve`` (a
         :class:`~kvcompose.paging.row_reserve.RowReserve` the pool's regions share), the table
-        is only ``width`` wide: rows take blocks from the reserve as they need them."""
+        is only ``width`` wide: rows take blocks from the reserve as they need them. ``holes``:
+        whether evictions may leave empty slots among a row's written ones (False: nothing
+        evicts, or evictions compact), which flushes then refill first."""
         width = self.fixed_width(width)
         if width < self.table.shape[1]:
             self.table = self.table[:, :width].contiguous()  # columns the prefill emptied (eviction)
@@ -194,6 +203,7 @@ class Region:
             pad = torch.full((self.batch_size, width - self.table.shape[1]), -1, dtype=torch.long, device=self.device)
             self.table = torch.cat([self.table, pad], dim=1)
         self.reserve = reserve
+        self.static_holes = holes
         if reserve is None:
             missing = self.table < 0
             self.table[missing] = self.pool.allocate(int(missing.sum()))

@@ -53,7 +53,7 @@ class StoreStatic:
                 pool.fix_capacity(sum(w * self.batch_size - int((r.table[:, :w] >= 0).sum())
                                       for w, r in zip(widths, regions)))
             for region, w in zip(regions, widths):
-                region.fix_width(w, reserve)
+                region.fix_width(w, reserve, holes=hole_blocks != 0)
         self._grow_buffer(self.buffer_capacity)
         # each row's next column (equal across rows): the append kernel advances them itself
         self.column = torch.full((self.batch_size,), self.columns_seen, dtype=torch.long, device=self.device)
