@@ -64,7 +64,8 @@ def test_head_major_pools_hold_the_same_store(bench, monkeypatch):
 @pytest.mark.parametrize("argv,said", [(["--buffer", "0"], "--buffer 0: give 1 to 512 tokens"),
                                        (["--buffer", "600"], "--buffer 600: give 1 to 512 tokens"),
                                        (["--smoke", "--buffer", "600"], "--buffer 600: give 1 to 512 tokens"),
-                                       (["--split-min", "0"], "--split-min 0: give a positive number of tokens")])
+                                       (["--split-min", "0"], "--split-min 0: give a positive number of tokens"),
+                                       (["--small-source", "0"], "--small-source 0: give a positive number of tokens")])
 def test_the_buffer_and_split_options_refuse_what_the_grid_cannot_hold(bench, capsys, argv, said):
     with pytest.raises(SystemExit):
         bench.main(argv)

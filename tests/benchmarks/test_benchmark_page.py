@@ -96,8 +96,8 @@ def test_the_page_knows_the_attention_grids_launch_settings(monkeypatch):
     import bench_attention_gpu
 
     summarize = _summarize()
-    assert (summarize.TOKENS_PER_SPLIT_MIN, summarize.DEFAULT_BUFFER) == (launch.TOKENS_PER_SPLIT_MIN,
-                                                                          bench_attention_gpu.BUFFER)
+    assert (summarize.TOKENS_PER_SPLIT_MIN, summarize.SMALL_SOURCE_TOKENS, summarize.DEFAULT_BUFFER) == (
+        launch.TOKENS_PER_SPLIT_MIN, launch.SMALL_SOURCE_TOKENS, bench_attention_gpu.BUFFER)
 
 
 def test_records_are_named_by_the_pool_layout_they_ran_on():

@@ -193,6 +193,28 @@ def test_cuda_native_kernel_matches_reference(fmt, group, head_dim, H):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+def test_cuda_native_kernel_ignores_what_empty_slots_hold(fmt):
+    """Slots that take no part (holes, the rest of a row's last block) may hold anything in a pool a
+    caller built: NaN scales and minimums there leave the output as it is with finite ones."""
+    lengths = [1, 0, 3000, 700, 16, 4097, 33]
+    src = make_source(fmt, lengths, 2, 128, holes=True, seed=3, device="cuda")
+    query = torch.randn(len(lengths), 8, 1, 128, device="cuda").to(torch.bfloat16)
+    ref = paged_decode_attention_torch(query, [src], 0.1)
+    empty = ~src.valid
+    assert int(empty.sum()) > 0
+    nan = {torch.uint8: 0x7F, torch.float16: float("nan")}  # E4M3's NaN byte, fp16's
+    operands = [src.value] + ([] if fmt.startswith("kivi") else [src.key])  # KIVI keys: scales per token group
+    for op in operands:
+        for t in (op.scale, op.minimum):
+            if t is not None:
+                t[empty] = nan[t.dtype]
+    out = paged_decode_attention(query, [src], 0.1, backend="cuda")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("most_heads", [0, 10 ** 6], ids=["own-launch", "in-merge"])
 def test_the_buffer_beside_the_cuda_kernel_in_the_merge_or_in_its_own_launch(most_heads, monkeypatch):
     """Large batches compute the recent buffer in a partial launch of its own and merge plainly

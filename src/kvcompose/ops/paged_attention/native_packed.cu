@@ -303,7 +303,7 @@ struct Tile {
   // lane's two query heads
   uint32_t qs[Shape<F, D>::KIVI ? Shape<F, D>::KSTEPS : 1][2];
   float bias[2];
-  bool lane_ok;
+  uint32_t ok;  // bit x: token x of the tile takes part (in the split, and valid)
 };
 
 __device__ __forceinline__ int key_token(int kt, int gid) { return 16 * (kt >> 1) + gid + 8 * (kt & 1); }
@@ -436,6 +436,18 @@ __device__ __forceinline__ void load_shared(uint32_t at, uint32_t* w) {
   }
 }
 
+template <int N>  // N zero bytes at `at` (N: 2, 4 or 8, aligned to N)
+__device__ __forceinline__ void store_shared_zero(uint32_t at) {
+  if constexpr (N == 8) {
+    asm volatile("st.shared.v2.u32 [%0], {%1, %1};\n" ::"r"(at), "r"(0u));
+  } else if constexpr (N == 4) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(0u));
+  } else {
+    static_assert(N == 2, "2, 4 or 8 bytes");
+    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"((unsigned short)0));
+  }
+}
+
 __device__ __forceinline__ uint32_t load_shared_u8(uint32_t at) {
   uint32_t r;
   asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(r) : "r"(at));
@@ -519,6 +531,18 @@ __device__ __forceinline__ void read_tile(Tile<F, D>& t, uint32_t stage, const L
                                           int tig, int lane, const uint32_t (*qf)[2]) {
   using S = Shape<F, D>;
   using St = Stage<F, D>;
+  const bool lane_ok = live && load_shared_u8(stage + St::VALID + lane) != 0;
+  t.ok = __ballot_sync(0xffffffffu, lane_ok);
+  if (t.ok != 0xffffffffu) {  // rare: a split's last tile, or holes
+    // A token that takes no part gets probability 0, but its slot may hold anything (an empty slot of a
+    // pool the caller built); scale (and minimum) 0 make its values 0 whatever its codes, so 0 x NaN never
+    // reaches the output. Done here, in the stage, so that the common tile pays one test for it.
+    if (!lane_ok) {
+      store_shared_zero<S::SCALE_ROW>(stage + St::VS + S::SCALE_ROW * lane);
+      if constexpr (S::INT) store_shared_zero<S::SCALE_ROW>(stage + St::VM + S::SCALE_ROW * lane);
+    }
+    __syncwarp();
+  }
   if constexpr (S::KIVI) kivi_queries<F, D>(stage, qf, tig, t.qs, t.bias);
 #pragma unroll
   for (int kt = 0; kt < 4; ++kt) {
@@ -547,7 +571,6 @@ __device__ __forceinline__ void read_tile(Tile<F, D>& t, uint32_t stage, const L
       t.vscale[vt] = load_shared_u8(stage + St::VS + (D / 16) * tok + (D * gid) / 128);
     }
   }
-  t.lane_ok = live && load_shared_u8(stage + St::VALID + lane) != 0;
 }
 
 // The block of the lane's token t (-1 beyond end): loaded a tile ahead of its use, so that the
@@ -594,10 +617,8 @@ template <int F, int D>
 __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, const uint32_t (*qf)[2],
                                             float key_scale, int gid, int tig) {
   using S = Shape<F, D>;
-  const uint32_t ok = __ballot_sync(0xffffffffu, t.lane_ok);  // bit x: token x of the tile takes part
-  // the same bits from the lane's first key token (gid) and first value token (2 tig) on: every test
-  // below is then of a constant bit
-  const uint32_t key_ok = ok >> gid, value_ok = ok >> (2 * tig);
+  // the tile's bits from the lane's first key token (gid) on: every test below is then of a constant bit
+  const uint32_t key_ok = t.ok >> gid;
 
   // scores, transposed: s[j] = tokens 16 j + (gid, gid + 8) x query heads (2 tig, 2 tig + 1)
   float s[2][4];
@@ -655,17 +676,15 @@ __device__ __forceinline__ void attend_tile(const Tile<F, D>& t, State<D>& st, c
     const uint32_t b0 = transpose8x8(half2_bits(s[j][0], s[j][1]));
     const uint32_t b1 = transpose8x8(half2_bits(s[j][2], s[j][3]));
     // x[p]: the lane's token pair p (value tokens 4 j + 2 p and 4 j + 2 p + 1), register 2 r + e
-    // holding both tokens at channel value_channel(r, e); a token outside the split gets scale (and
-    // minimum) 0
+    // holding both tokens at channel value_channel(r, e); a token that takes no part has scale (and
+    // minimum) 0 (read_tile)
     uint32_t x[2][2 * S::VTILES];
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const int v0 = 4 * j + 2 * p, v1 = v0 + 1;
-      const bool ok0 = (value_ok >> value_token(v0, 0)) & 1u, ok1 = (value_ok >> value_token(v1, 0)) & 1u;
-      const uint32_t s0 = ok0 ? t.vscale[v0] : 0u, s1 = ok1 ? t.vscale[v1] : 0u;
       // the pair's two scales (INT: and minimums) as one fp16 pair
-      const uint32_t sc = S::INT ? s0 | (s1 << 16) : scale_pair(s0 | (s1 << 8));
-      const uint32_t mc = S::INT ? (ok0 ? t.vmin[v0] : 0u) | ((ok1 ? t.vmin[v1] : 0u) << 16) : 0u;
+      const uint32_t sc = S::INT ? t.vscale[v0] | (t.vscale[v1] << 16) : scale_pair(t.vscale[v0] | (t.vscale[v1] << 8));
+      const uint32_t mc = S::INT ? t.vmin[v0] | (t.vmin[v1] << 16) : 0u;
 #pragma unroll
       for (int vw = 0; vw < S::VWORDS; ++vw)
         decode_token_pair<F>(t.v[v0][vw], t.v[v1][vw], sc, mc, x[p] + 2 * S::REGS * vw);
