@@ -230,6 +230,9 @@ def main(argv=None) -> int:
                    help="tokens per row in the bf16 recent buffer (16; KIVI's presets hold 128-160 there)")
     p.add_argument("--split-min", type=int, default=launch.TOKENS_PER_SPLIT_MIN,
                    help="fewest tokens per split of a source, in either kernel (launch.TOKENS_PER_SPLIT_MIN)")
+    p.add_argument("--small-source", type=int, default=launch.SMALL_SOURCE_TOKENS,
+                   help="longest source that takes the light tile and may ride in the merge launch "
+                        "(launch.SMALL_SOURCE_TOKENS)")
     p.add_argument("--out", default=str(result_path("attention_gpu")), help="history file the run is added to")
     args = p.parse_args(argv)
     shortest = min(length for _, length, _ in (SMOKE_SHAPES if args.smoke else SHAPES))
@@ -237,6 +240,8 @@ def main(argv=None) -> int:
         p.error(f"--buffer {args.buffer}: give 1 to {shortest // 2} tokens (half the shortest row of the grid)")
     if args.split_min < 1:
         p.error(f"--split-min {args.split_min}: give a positive number of tokens")
+    if args.small_source < 1:
+        p.error(f"--small-source {args.small_source}: give a positive number of tokens")
     LAYOUT, BUFFER = args.layout, args.buffer
     if not torch.cuda.is_available():
         print("bench_attention_gpu needs a CUDA GPU", file=sys.stderr)
@@ -244,6 +249,7 @@ def main(argv=None) -> int:
     log = ResultLog(args.out)
     launch.RIDERS_IN_MERGE = args.riders_in_merge
     launch.TOKENS_PER_SPLIT_MIN = args.split_min
+    launch.SMALL_SOURCE_TOKENS = args.small_source
     wall = time.perf_counter()
     status = native.native_status(torch.device("cuda"))
     print(f"CUDA kernel: {status['kernel']} ({status['reason']})", flush=True)
@@ -255,6 +261,7 @@ def main(argv=None) -> int:
                        "block_sizes": BLOCK_SIZES,
                        "buffer_tokens": BUFFER},
             "riders_in_merge": args.riders_in_merge, "tokens_per_split_min": args.split_min,
+            "small_source_tokens": args.small_source,
             "layout": args.layout, "formats": args.formats,
             "narrowed": set(args.formats) != set(FORMATS),
             "targets": TARGETS, "copy_tb_per_s": copy, "native_kernel": status, "results": results,

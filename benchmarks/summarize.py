@@ -28,9 +28,9 @@ from harness.tp_section import tensor_parallel  # noqa: E402
 RESULTS = ROOT / "results"
 #: ``kvcompose.policies.policy.DEFAULT_POOL_LAYOUT`` (a test keeps the two equal; the page needs no torch).
 DEFAULT_POOL_LAYOUT = "head"
-#: ``launch.TOKENS_PER_SPLIT_MIN`` and the attention benchmark's ``BUFFER``: the launch settings of its grids
-#: (a test keeps them equal)
-TOKENS_PER_SPLIT_MIN, DEFAULT_BUFFER = 256, 16
+#: ``launch.TOKENS_PER_SPLIT_MIN``, ``launch.SMALL_SOURCE_TOKENS`` and the attention benchmark's ``BUFFER``: the
+#: launch settings of its grids (a test keeps them equal)
+TOKENS_PER_SPLIT_MIN, SMALL_SOURCE_TOKENS, DEFAULT_BUFFER = 256, 64, 16
 OUT = ROOT.parent / "docs" / "benchmark-results.md"
 SVG = ROOT.parent / "docs" / "results" / "e2e_throughput.svg"
 BASELINE = "transformers-static"
@@ -308,10 +308,10 @@ def _throughput_svg(records: list[dict]) -> str:
 
 
 def launch_settings(run: dict) -> tuple:
-    """An attention run's recent buffer and launch settings (``--riders-in-merge``, ``--buffer``, ``--split-min``),
-    as runs made before an option existed ran it."""
+    """An attention run's recent buffer and launch settings (``--riders-in-merge``, ``--buffer``, ``--split-min``,
+    ``--small-source``), as runs made before an option existed ran it."""
     return (run.get("riders_in_merge", "native"), run.get("shapes", {}).get("buffer_tokens", DEFAULT_BUFFER),
-            run.get("tokens_per_split_min", TOKENS_PER_SPLIT_MIN))
+            run.get("tokens_per_split_min", TOKENS_PER_SPLIT_MIN), run.get("small_source_tokens", SMALL_SOURCE_TOKENS))
 
 
 def full_attention_grid(runs: list[dict], layout: str = DEFAULT_POOL_LAYOUT) -> dict | None:
@@ -319,9 +319,9 @@ def full_attention_grid(runs: list[dict], layout: str = DEFAULT_POOL_LAYOUT) -> 
     (runs before ``--layout`` existed are slot-major). Runs of a few formats (``--formats``: newer
     runs record ``narrowed``; in older ones, a grid has the bf16 row and every format of the grids
     before it) or with the recent buffer or the splits set otherwise (``--riders-in-merge``, ``--buffer``,
-    ``--split-min``) answer a narrower question and stay in the JSON only."""
+    ``--split-min``, ``--small-source``) answer a narrower question and stay in the JSON only."""
     full, seen = [], set()
-    default = ("native", DEFAULT_BUFFER, TOKENS_PER_SPLIT_MIN)
+    default = ("native", DEFAULT_BUFFER, TOKENS_PER_SPLIT_MIN, SMALL_SOURCE_TOKENS)
     for r in runs:
         if r.get("smoke") or launch_settings(r) != default or r.get("layout", "slot") != layout:
             continue

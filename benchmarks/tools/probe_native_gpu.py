@@ -91,6 +91,9 @@ VARIANTS = {
                            "out[1] = e + s2; return;")],
     # at most 113 registers, so that 18 programs fit an SM (ptxas gives 96 and spills 48 bytes)
     "lb18": [(LAUNCH_BOUNDS, "__launch_bounds__(32, 18)")],
+    # ... 102 and 85 registers: 20 and 24 programs per SM
+    "lb20": [(LAUNCH_BOUNDS, "__launch_bounds__(32, 20)")],
+    "lb24": [(LAUNCH_BOUNDS, "__launch_bounds__(32, 24)")],
     # the key product in two independent accumulator chains of four products instead of one of eight
     "split_k": [KEY_PRODUCT],
     # the output's rescale skipped when no query head's maximum moved (every alpha is exactly 1)
@@ -118,7 +121,7 @@ VARIANTS = {
     "head_major_copy": [(READ, ""), (ATTEND, ""), *HEAD_MAJOR],
 }
 #: variants whose outputs are exact (the rest replace part of the decode by a stand-in)
-EXACT = {"base", "stages3", "stages4", "lb18", "split_k", "lazy_rescale"}
+EXACT = {"base", "stages3", "stages4", "lb18", "lb20", "lb24", "split_k", "lazy_rescale"}
 
 
 #: variants that stand in for part of one decode, and the formats whose kernels they change
