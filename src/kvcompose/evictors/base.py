@@ -8,6 +8,7 @@ are handled once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,7 @@ class EvictionContext:
     heads, ``W`` recorded recent queries, ``D`` head dim.
     """
 
-    keys: torch.Tensor  # [B, Hkv, L, D] post-RoPE keys of the candidates
+    keys: torch.Tensor | None  # [B, Hkv, L, D] post-RoPE keys of the candidates; None: ask keys_at
     positions: torch.Tensor  # [B, L] absolute position of each slot (-1: empty)
     valid: torch.Tensor  # [B, L] bool: slot holds a live token
     keep: torch.Tensor  # [B] int64: how many tokens each row keeps
@@ -40,6 +41,9 @@ class EvictionContext:
     columns_limit: int | None = None  # static decode: columns the whole run appends (sizes per-segment tensors)
     check: bool = True  # test scores for NaN/inf (a host synchronization; static decode skips it)
     heads: HeadShards = LOCAL  # the ranks holding the layer's other KV heads: reduce over heads with it
+    # (rows [S], cols [S, N]) -> [S, N, Hkv * D]: the keys of those columns (decoded for them alone where
+    # ``keys`` is None: evictors with ``reads_keys_by_column``)
+    keys_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def keep_top(scores: torch.Tensor, ctx: EvictionContext, check: bool | None = None) -> torch.Tensor:
@@ -91,6 +95,10 @@ class Evictor:
     #: Whether :meth:`scores` reads keys or queries (False: positions and slot channels only,
     #: which static decode can evict from inside a captured step).
     reads_keys: bool = True
+    #: Whether :meth:`select` reads keys only through ``ctx.keys_at``, for a few columns of each row
+    #: (ThinKV's K-means over generated segments): the context then holds no decoded keys
+    #: (``ctx.keys`` is None), and only the columns asked for are decoded.
+    reads_keys_by_column: bool = False
     #: What :meth:`scores` returns for an evictor that reads no keys: ``"position"`` or the
     #: name of one slot channel (static decode then drops one token per step without sorting,
     #: see :mod:`kvcompose.ops.evict_one`); None: only :meth:`scores` knows.

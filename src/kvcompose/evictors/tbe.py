@@ -49,6 +49,7 @@ class ThoughtEvictor(Evictor):
     kmeans_iters: int = 10  # fixed Lloyd rounds
 
     graph_safe = True  # fixed shapes once static decode sets ctx.columns_limit; no host reads
+    reads_keys_by_column = True  # K-means reads the generated segments' keys only
 
     def __post_init__(self) -> None:
         self.retention = tuple(self.retention)
@@ -165,9 +166,13 @@ class ThoughtEvictor(Evictor):
         cols = by_position.gather(1, (start[..., None] + offset).clamp(max=L - 1).view(B, -1)).view(B, S, tau)
         shrinks = target < size
         rows = torch.arange(B, device=size.device).repeat_interleave(S)
-        chosen = kmeans_select(ctx.keys, live.view(B * S, tau), torch.where(shrinks, target, 0).view(-1),
+        if ctx.keys is not None:  # a view with its keys decoded: read them in place
+            keys, slots = ctx.keys, (rows, cols.view(B * S, tau))
+        else:  # only the segments' columns decoded
+            keys, slots = ctx.keys_at(rows, cols.view(B * S, tau)), None
+        chosen = kmeans_select(keys, live.view(B * S, tau), torch.where(shrinks, target, 0).view(-1),
                                iters=self.kmeans_iters, max_k=max(self.retention), validate=False,
-                               slots=(rows, cols.view(B * S, tau)), heads=ctx.heads).view(B, S, tau)
+                               slots=slots, heads=ctx.heads).view(B, S, tau)
         drop = live & ~chosen & shrinks[..., None]
         dropped = torch.zeros(B, L, dtype=torch.int32, device=size.device).scatter_add_(
             1, cols.view(B, -1), drop.view(B, -1).to(torch.int32))

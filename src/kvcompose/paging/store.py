@@ -41,7 +41,7 @@ class StoreView:
     index ``-1`` for buffer columns.
     """
 
-    keys: torch.Tensor  # [B, Hkv, L, D]
+    keys: torch.Tensor | None  # [B, Hkv, L, D]; None in a view of metadata alone (LayerStore.keys_at decodes)
     values: torch.Tensor | None  # [B, Hkv, L, D]; None in a keys-only view (LayerStore.view)
     positions: torch.Tensor  # [B, L] int64, -1 where empty
     valid: torch.Tensor  # [B, L] bool
@@ -257,11 +257,15 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
         self.buf_k, self.buf_v = wider(self.buf_k, 0), wider(self.buf_v, 0)
         self.buf_meta = {n: wider(t, empty_value(n)) for n, t in self.buf_meta.items()}
 
-    def view(self, values: bool = True) -> StoreView:
+    def view(self, values: bool = True, keys: bool = True) -> StoreView:
         """Decode every row's kept tokens into dense tensors (blocks of each region, then the buffer).
 
         ``values=False``: keys only (``values`` is None), for evictors and classifiers, which
-        score keys: no value payload is gathered or decoded."""
+        score keys: no value payload is gathered or decoded. ``keys=False`` as well: positions,
+        validity and where each column lies, nothing decoded (:meth:`keys_at` decodes the
+        columns an evictor asks for)."""
+        if values and not keys:
+            raise ValueError("a view with values has keys too (keys=False needs values=False)")
         B = self.batch_size
         parts = []
         for pool, table, owner in self.view_tables():
@@ -269,12 +273,14 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             ids = table.clamp(min=0).reshape(-1)
             wanted = set(pool.slots) | set(pool.blocks)
             if not values:
-                wanted = set(pool.codec.key_tensors(sorted(wanted)))
+                wanted = set(pool.codec.key_tensors(sorted(wanted))) if keys else set()
             slots = {n: t[ids] for n, t in pool.slots.items() if n in wanted}
             groups = {n: t[ids] for n, t in pool.blocks.items() if n in wanted}
             rows = torch.arange(B, device=self.device).repeat_interleave(W)
             scales = {n: t[rows] for n, t in self.row_scales[pool.codec.name].items()}
-            if not ids.numel():  # no blocks yet: skip the codec (quantized formats reject empty input)
+            if not keys:
+                k = v = None
+            elif not ids.numel():  # no blocks yet: skip the codec (quantized formats reject empty input)
                 k = torch.zeros(0, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
                 v = k if values else None
             elif values:
@@ -285,21 +291,60 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             phys = torch.where(inside, (table[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(B, -1), -1)
             meta = {n: t[ids].reshape(B, W * bs) for n, t in pool.meta.items()}
             parts.append((
-                k.reshape(B, W * bs, *k.shape[2:]).to(self.dtype),
+                None if k is None else k.reshape(B, W * bs, *k.shape[2:]).to(self.dtype),
                 None if v is None else v.reshape(B, W * bs, *v.shape[2:]).to(self.dtype),
                 torch.where(inside, meta["pos"], -1), meta["valid"] & inside,
                 torch.full_like(phys, owner) if isinstance(owner, int) else owner.repeat_interleave(bs, 1), phys,
             ))
         cap = self.buf_k.shape[1]
-        buffer = (self.buf_k, self.buf_v if values else None, self.buf_meta["pos"], self.buf_meta["valid"],
+        buffer = (self.buf_k if keys else None, self.buf_v if values else None, self.buf_meta["pos"],
+                  self.buf_meta["valid"],
                   torch.full((B, cap), -1, dtype=torch.long, device=self.device),
                   torch.full((B, cap), -1, dtype=torch.long, device=self.device))
-        cols = sum(p[0].shape[1] for p in parts)
+        cols = sum(p[2].shape[1] for p in parts)  # block columns (by positions: keys may be left out)
         keys, vals, positions, valid, region, phys = (
             None if x[0] is None else torch.cat(x, dim=1) for x in zip(*parts, buffer))
         classes = torch.cat([region[:, :cols], self.buf_meta["cls"]], dim=1)
-        return StoreView(keys.transpose(1, 2), None if vals is None else vals.transpose(1, 2), positions, valid,
-                         region, phys, cols, classes)
+        return StoreView(None if keys is None else keys.transpose(1, 2), None if vals is None else vals.transpose(1, 2),
+                         positions, valid, region, phys, cols, classes)
+
+    def keys_at(self, view: StoreView, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """The keys of columns ``cols`` ``[S, N]`` of rows ``rows`` ``[S]`` of ``view``, ``[S, N, Hkv * D]``:
+        read from the view where it holds keys, else decoded for those columns alone (a view built with
+        ``keys=False``), with fixed shapes and no host read. An evictor that reads a few columns of
+        each row (ThinKV's K-means over generated segments) then decodes those, not the whole table."""
+        S, N = cols.shape
+        r = rows[:, None].expand(S, N)
+        if view.keys is not None:
+            return view.keys[r, :, cols].reshape(S, N, -1)
+        H, D = self.num_kv_heads, self.head_dim
+        cap = self.buf_k.shape[1]
+        in_buffer = cols >= view.block_columns
+        if cap:
+            out = self.buf_k[r, (cols - view.block_columns).clamp(0, cap - 1)].to(self.dtype)  # [S, N, H, D]
+        else:
+            out = torch.zeros(S, N, H, D, dtype=self.dtype, device=self.device)
+        region, phys = view.region[r, cols], view.phys[r, cols]
+        rows_flat = r.reshape(-1)
+        for pool in self.pools.values():
+            if pool.capacity == 0:  # no blocks: no column of this pool
+                continue
+            here = torch.zeros_like(in_buffer)
+            for index, reg in enumerate(self.regions):
+                if reg.pool is pool:
+                    here |= region == index
+            here &= ~in_buffer & (phys >= 0)
+            if pool.codec.group_tokens != 1:  # groups of tokens share their scales: decode whole blocks
+                raise ValueError(f"keys_at: format {pool.codec.name!r} encodes {pool.codec.group_tokens} tokens "
+                                 "together; build the view with its keys instead")
+            at = torch.where(here, phys, 0).reshape(-1)  # every asked column decoded: shapes do not depend on which
+            names = pool.codec.key_tensors(sorted(set(pool.slots) | set(pool.blocks)))
+            slots = {n: t[at][:, None] for n, t in pool.flat_slots(pool.slots).items() if n in names}
+            groups = {n: t[at][:, None] for n, t in pool.flat_groups().items() if n in names}
+            scales = {n: t[rows_flat] for n, t in self.row_scales[pool.codec.name].items()}
+            k = pool.codec.decode_keys(slots, groups, scales, self.dtype).reshape(S, N, H, D).to(self.dtype)
+            out = torch.where(here[..., None, None], k, out)
+        return out.reshape(S, N, H * D)
 
     def channel(self, name: str, view: StoreView) -> torch.Tensor:
         """A float metadata channel, aligned with ``view``'s columns."""

@@ -30,8 +30,9 @@ def compress(layer, view: StoreView | None = None, scheduled: bool = False) -> b
     if policy.evictor is None:
         return False
     store = layer.store
+    keys = not policy.evictor.reads_keys_by_column  # else the evictor decodes the few columns it reads
     if scheduled and view is None:  # the view is built anyway: the counts come from it
-        view = store.view(values=False)
+        view = store.view(values=False, keys=keys)
     counts = trigger_input(policy, store, view)
     keep = policy.trigger.plan(counts)
     fired = policy.trigger.fires(counts, keep)
@@ -39,7 +40,7 @@ def compress(layer, view: StoreView | None = None, scheduled: bool = False) -> b
         keep = torch.where(fired, keep, counts.stored)
     elif not bool(fired.any()):
         return False
-    view = view if view is not None else store.view(values=False)
+    view = view if view is not None else store.view(values=False, keys=keys)
     ctx = eviction_context(policy, store, view, keep, *layer.recent_queries(), layer.scaling, layer.cache.heads)
     policy.pager.compact(store, view, policy.evictor.select(ctx))
     if scheduled:
@@ -126,6 +127,7 @@ def eviction_context(policy, store: LayerStore, view: StoreView, keep: torch.Ten
         columns_limit=store.columns_limit if store.static else None,
         check=not store.static,
         heads=heads,
+        keys_at=lambda rows, cols: store.keys_at(view, rows, cols),
     )
 
 
