@@ -302,10 +302,10 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
                   torch.full((B, cap), -1, dtype=torch.long, device=self.device),
                   torch.full((B, cap), -1, dtype=torch.long, device=self.device))
         cols = sum(p[2].shape[1] for p in parts)  # block columns (by positions: keys may be left out)
-        keys, vals, positions, valid, region, phys = (
+        k, v, positions, valid, region, phys = (
             None if x[0] is None else torch.cat(x, dim=1) for x in zip(*parts, buffer))
         classes = torch.cat([region[:, :cols], self.buf_meta["cls"]], dim=1)
-        return StoreView(None if keys is None else keys.transpose(1, 2), None if vals is None else vals.transpose(1, 2),
+        return StoreView(None if k is None else k.transpose(1, 2), None if v is None else v.transpose(1, 2),
                          positions, valid, region, phys, cols, classes)
 
     def keys_at(self, view: StoreView, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
