@@ -276,9 +276,9 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
                 wanted = set(pool.codec.key_tensors(sorted(wanted))) if keys else set()
             slots = {n: t[ids] for n, t in pool.slots.items() if n in wanted}
             groups = {n: t[ids] for n, t in pool.blocks.items() if n in wanted}
-            rows = torch.arange(B, device=self.device).repeat_interleave(W)
-            scales = {n: t[rows] for n, t in self.row_scales[pool.codec.name].items()}
-            if not keys:
+            rows = torch.arange(B, device=self.device).repeat_interleave(W) if keys else None
+            scales = {n: t[rows] for n, t in self.row_scales[pool.codec.name].items()} if keys else {}
+            if not keys:  # metadata alone: nothing above was gathered to decode
                 k = v = None
             elif not ids.numel():  # no blocks yet: skip the codec (quantized formats reject empty input)
                 k = torch.zeros(0, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
