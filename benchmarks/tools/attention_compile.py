@@ -99,10 +99,13 @@ def main(argv=None) -> int:
     kernel = compile_for_hopper(kernels._mass_kernel, sig, dict(HQ=32, HP=32, BS=16, BLOCK=launch.MASS_BLOCK), launch.WARPS)
     print(f"attention mass: {len(kernel.asm['cubin'])} bytes of cubin")
     count += 1
-    sig = {"rows_ptr": "*i32", "source_ptr": "*i64", "target_ptr": "*i64", "mask_ptr": "*i1", "n": "i32", "slots": "i32"}
-    kernel = compile_for_hopper(scatter_slots._copy_kernel, sig, dict(E=8, E_P=8, BLOCK=512), 4)
-    print(f"slot copies of a pack (per head where rows are head-major): {len(kernel.asm['cubin'])} bytes of cubin")
-    print(f"compiled {count + 1} kernels")
+    sig = {"src_ptr": "*i32", "dst_ptr": "*i32", "source_ptr": "*i64", "target_ptr": "*i64", "mask_ptr": "*i1",
+           "n": "i32", "src_head": "i32", "src_slot": "i32", "dst_head": "i32", "dst_slot": "i32"}
+    for dense, what in ((False, "slot copies of a pack or compaction"), (True, "slot gathers of a view")):
+        kernel = compile_for_hopper(scatter_slots._copy_kernel, sig, dict(E=64, E_P=64, BLOCK=64, DENSE=dense), 4)
+        print(f"{what} (per head where rows are head-major): {len(kernel.asm['cubin'])} bytes of cubin")
+        count += 1
+    print(f"compiled {count} kernels")
     return 0
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvcompose.ops.paged_attention.formats import to_head_major
-from kvcompose.ops.scatter_slots import copy_slots, fill_slots
+from kvcompose.ops.scatter_slots import copy_slots, fill_slots, gather_slots, gather_slots_torch, move_slots
 
 SLOTS, TRASH = 64, 63
 
@@ -68,6 +68,44 @@ def test_fill_kernel_matches_reference(kind, value):
     assert torch.equal(want[kept], flat[kept])
 
 
+def compaction(g: torch.Generator, B: int = 3, L: int = 9):
+    """Each row's kept slots move, in order, to the row's first slots: sources are targets too."""
+    phys = torch.randperm(TRASH, generator=g)[:B * L].view(B, L)
+    kept = torch.rand(B, L, generator=g) < 0.6
+    order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)
+    source = phys.gather(1, order)
+    live = torch.arange(L)[None, :] < kept.sum(1, keepdim=True)
+    return source, phys, live & (source != phys)
+
+
+@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes", "head codes", "head bytes"])
+def test_move_kernel_matches_reference(kind):
+    g = torch.Generator().manual_seed(11 + len(kind))
+    flat = per_slot(kind, g)
+    source, target, mask = compaction(g)
+    assert bool(mask.any()) and bool(torch.isin(target[mask], source[mask]).any())  # overlapping moves
+    want = on_both(move_slots, flat, source, target, mask)
+    assert torch.equal(want[target[mask]], flat[source[mask]])  # each target has its source's old row
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[target[mask]] = False
+    untouched[TRASH] = False
+    assert torch.equal(want[untouched], flat[untouched])
+
+
+@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes", "head codes", "head bytes"])
+def test_gather_kernel_matches_reference(kind):
+    g = torch.Generator().manual_seed(21 + len(kind))
+    flat = per_slot(kind, g)
+    index, _, mask = grid(g)
+    index = torch.where(mask, index, -1)  # anything where masked out
+    got = gather_slots(flat, index, mask, backend="triton")
+    want = gather_slots_torch(flat, index, mask)
+    assert got.is_contiguous() and got.shape == (*mask.shape, *flat.shape[1:])
+    assert torch.equal(got, want)
+    assert torch.equal(want[mask], flat[index[mask]])
+    assert not bool(want[~mask].any())  # zeros where masked out
+
+
 def test_bad_input_is_named():
     flat = torch.zeros(SLOTS)
     index = torch.zeros(2, 3, dtype=torch.long)
@@ -80,11 +118,14 @@ def test_bad_input_is_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["valid", "pos", "codes", "bytes"])
+@pytest.mark.parametrize("kind", ["valid", "pos", "codes", "bytes", "head codes"])
 def test_kernels_match_reference_on_gpu(kind):
     g = torch.Generator().manual_seed(5)
     flat = per_slot(kind, g).cuda()
     source, target, mask = (t.cuda() for t in grid(g))
     on_both(copy_slots, flat, source, target, mask, backend=None)
+    frm, to, moving = (t.cuda() for t in compaction(g))
+    on_both(move_slots, flat, frm, to, moving, backend=None)
+    assert torch.equal(gather_slots(flat, frm, moving), gather_slots_torch(flat, frm, moving))
     if flat.dim() == 1:
         on_both(fill_slots, flat, source, mask, False if kind == "valid" else -1, backend=None)

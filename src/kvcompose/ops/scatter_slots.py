@@ -1,17 +1,22 @@
 """Masked writes to pool slots by index, in static decode's fixed shapes.
 
-An eviction clears the slots it evicts; a pack moves a class's newest tokens into its holes.
-Both are given as a ``[B, L]`` grid of slot indexes and a mask, so that their shapes never
+An eviction clears the slots it evicts; a pack moves a class's newest tokens into its holes;
+a compaction moves each row's kept tokens to its first slots; a view gathers every row's slots.
+All are given as a ``[B, L]`` grid of slot indexes and a mask, so that their shapes never
 depend on the data. In torch ops every masked-out entry must still be written somewhere, to
 one trash slot, and on a GPU hundreds of thousands of writes to one address run one after
-another: at ThinKV's largest batches an eviction step took seconds. :func:`fill_slots` and
-:func:`copy_slots` skip masked-out entries in their kernels instead.
+another: at ThinKV's largest batches an eviction step took seconds. The kernels skip
+masked-out entries instead, and move whole rows (a slot, or one head of a slot in a
+head-major pool) as words, where torch's indexing of a head-major pool moves one element per
+thread.
 
-:func:`fill_slots_torch` and :func:`copy_slots_torch` are the plain-torch references (and the
-CPU path), with the trash slot.
+:func:`fill_slots_torch`, :func:`copy_slots_torch` and :func:`gather_slots_torch` are the
+plain-torch references (and the CPU path), with the trash slot.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,18 +37,27 @@ def _fill_kernel(flat_ptr, index_ptr, mask_ptr, value_ptr, n, BLOCK: tl.constexp
 
 
 @jit
-def _copy_kernel(rows_ptr, source_ptr, target_ptr, mask_ptr, n, slots, E: tl.constexpr, E_P: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Rows ``[heads, slots, E]`` (``program_id(1)``: the head; one head when the rows are whole slots)."""
+def _copy_kernel(src_ptr, dst_ptr, source_ptr, target_ptr, mask_ptr, n, src_head, src_slot, dst_head, dst_slot,
+                 E: tl.constexpr, E_P: tl.constexpr, BLOCK: tl.constexpr, DENSE: tl.constexpr):
+    """Row ``(head, source[i])`` of ``src`` to row ``(head, target[i])`` of ``dst`` where ``mask[i]``
+    (``program_id(1)``: the head; strides in words). ``DENSE``: the target of entry ``i`` is row ``i``,
+    and a masked-out entry writes zeros there (a gather's output)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    take = (tl.load(mask_ptr + i, mask=i < n, other=0) != 0) & (i < n)
+    inside = i < n
+    take = (tl.load(mask_ptr + i, mask=inside, other=0) != 0) & inside
     source = tl.load(source_ptr + i, mask=take, other=0)
-    target = tl.load(target_ptr + i, mask=take, other=0)
-    base = rows_ptr + tl.program_id(1).to(tl.int64) * slots * E
+    head = tl.program_id(1).to(tl.int64)
     e = tl.arange(0, E_P)
-    at = take[:, None] & (e < E)[None, :]
-    words = tl.load(base + source[:, None] * E + e[None, :], mask=at)
-    tl.store(base + target[:, None] * E + e[None, :], words, mask=at)
+    cols = (e < E)[None, :]
+    words = tl.load(src_ptr + head * src_head + source[:, None] * src_slot + e[None, :], mask=take[:, None] & cols,
+                    other=0)
+    if DENSE:
+        target = i.to(tl.int64)
+        at = inside[:, None] & cols
+    else:
+        target = tl.load(target_ptr + i, mask=take, other=0)
+        at = take[:, None] & cols
+    tl.store(dst_ptr + head * dst_head + target[:, None] * dst_slot + e[None, :], words, mask=at)
 
 
 def _check(flat: torch.Tensor, mask: torch.Tensor, *indexes: torch.Tensor) -> None:
@@ -81,23 +95,74 @@ def fill_slots_torch(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor
 def copy_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, trash: int,
                backend: str | None = None) -> None:
     """``flat[target[mask]] = flat[source[mask]]`` for a per-slot tensor ``[S, ...]`` of a pool;
-    no slot may be both a source and a target. Arguments as :func:`fill_slots`."""
+    no slot may be both a source and a target (:func:`move_slots` allows it). Arguments as
+    :func:`fill_slots`."""
     _check(flat, mask, source, target)
     if not step_kernel_runs(mask, _copy_kernel, backend):
         copy_slots_torch(flat, source, target, mask, trash)
         return
-    # rows: whole slots, or one head of a slot where each head's rows lie together
-    rows = flat.transpose(0, 1).reshape(flat.shape[1], flat.shape[0], -1) if head_major_rows(flat) \
-        else flat.view(1, flat.shape[0], -1)
-    size = rows.shape[2] * rows.element_size()
-    words = rows.view(torch.int32) if size % 4 == 0 else rows.view(torch.uint8)  # whole words where it can
-    E = words.shape[2]
-    E_P = next_pow2(E)
+    rows = _Rows(flat)
+    _launch_copy(rows, rows, source, target, mask, dense=False)
+
+
+def move_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, trash: int,
+               backend: str | None = None) -> None:
+    """:func:`copy_slots` where a slot may be both a source and a target (a compaction): every
+    source is read, into scratch of the moved rows, before any target is written."""
+    _check(flat, mask, source, target)
+    if not step_kernel_runs(mask, _copy_kernel, backend):
+        copy_slots_torch(flat, source, target, mask, trash)
+        return
+    moved = gather_slots(flat, source, mask, backend)
+    order = torch.arange(mask.numel(), device=mask.device).view(mask.shape)
+    _launch_copy(_Rows(moved.view(-1, *flat.shape[1:]), like=flat), _Rows(flat), order, target, mask, dense=False)
+
+
+def gather_slots(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
+                 backend: str | None = None) -> torch.Tensor:
+    """``flat[index]`` where ``mask``, zeros elsewhere: ``[*mask.shape, *flat.shape[1:]]``, contiguous
+    (``index`` may be anything where ``mask`` is False). Arguments as :func:`fill_slots`."""
+    _check(flat, mask, index)
+    if not step_kernel_runs(mask, _copy_kernel, backend):
+        return gather_slots_torch(flat, index, mask)
+    out = torch.empty(*mask.shape, *flat.shape[1:], dtype=flat.dtype, device=flat.device)
+    _launch_copy(_Rows(flat), _Rows(out.view(-1, *flat.shape[1:]), like=flat), index, index, mask, dense=True)
+    return out
+
+
+def gather_slots_torch(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`gather_slots`."""
+    picked = flat[torch.where(mask, index, 0)]
+    return torch.where(mask.view(*mask.shape, *[1] * (flat.dim() - 1)), picked, torch.zeros_like(picked))
+
+
+class _Rows:
+    """A per-slot tensor ``[S, ...]`` as the copy kernel's rows of words: whole slots, or one head
+    of a slot where each head's rows lie together (head-major). ``like``: a contiguous tensor takes
+    the per-head rows of that pool tensor (scratch and gather outputs of a head-major pool)."""
+
+    def __init__(self, flat: torch.Tensor, like: torch.Tensor | None = None):
+        S = flat.shape[0]
+        if head_major_rows(flat):  # [S, H, ...] over [H, S, ...] storage
+            rows = flat.transpose(0, 1).reshape(flat.shape[1], S, math.prod(flat.shape[2:]))
+        elif like is not None and head_major_rows(like):  # contiguous [S, H, ...], moved a head at a time
+            rows = flat.reshape(S, flat.shape[1], math.prod(flat.shape[2:])).transpose(0, 1)
+        else:  # whole slots
+            rows = flat.reshape(1, S, math.prod(flat.shape[1:]))
+        word = torch.int32 if rows.shape[2] * rows.element_size() % 4 == 0 else torch.uint8  # whole words where it can
+        self.words = rows.view(word) if rows.dtype != word else rows
+        self.heads, self.E = self.words.shape[0], self.words.shape[2]
+        self.head, self.slot = self.words.stride(0), self.words.stride(1)
+
+
+def _launch_copy(src: _Rows, dst: _Rows, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
+                 dense: bool) -> None:
+    E_P = next_pow2(src.E)
     block = max(1, ELEMENTS // E_P)
     n = mask.numel()
-    _copy_kernel[(triton_blocks(n, block), words.shape[0])](words, source.contiguous(), target.contiguous(),
-                                                            mask.contiguous(), n, flat.shape[0], E=E, E_P=E_P,
-                                                            BLOCK=block)
+    _copy_kernel[(triton_blocks(n, block), src.heads)](
+        src.words, dst.words, source.contiguous(), target.contiguous(), mask.contiguous(), n, src.head, src.slot,
+        dst.head, dst.slot, E=src.E, E_P=E_P, BLOCK=block, DENSE=dense)
 
 
 def copy_slots_torch(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,

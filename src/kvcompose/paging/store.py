@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.scatter_slots import gather_slots
 from .codec import DenseCodec, SlotCodec
 from .pool import BlockPool, decoded_slots, empty_value
 from .region import Region
@@ -274,7 +275,12 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             wanted = set(pool.slots) | set(pool.blocks)
             if not values:
                 wanted = set(pool.codec.key_tensors(sorted(wanted))) if keys else set()
-            slots = {n: t[ids] for n, t in pool.slots.items() if n in wanted}
+            inside = (table >= 0)[:, :, None].expand(B, W, bs).reshape(B, W * bs)
+            slot = table[:, :, None] * bs + torch.arange(bs, device=self.device)
+            phys = torch.where(inside, slot.reshape(B, -1), -1)
+            # per slot, as whole rows (ops.scatter_slots): indexing a head-major pool by block moves an element a thread
+            flat = pool.flat_slots({n: t for n, t in pool.slots.items() if n in wanted})
+            slots = {n: gather_slots(t, phys, inside).view(B * W, bs, *t.shape[1:]) for n, t in flat.items()}
             groups = {n: t[ids] for n, t in pool.blocks.items() if n in wanted}
             rows = torch.arange(B, device=self.device).repeat_interleave(W) if keys else None
             scales = {n: t[rows] for n, t in self.row_scales[pool.codec.name].items()} if keys else {}
@@ -287,8 +293,6 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
                 k, v = pool.codec.decode(slots, groups, scales, self.dtype)
             else:
                 k, v = pool.codec.decode_keys(slots, groups, scales, self.dtype), None
-            inside = (table >= 0)[:, :, None].expand(B, W, bs).reshape(B, W * bs)
-            phys = torch.where(inside, (table[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(B, -1), -1)
             meta = {n: t[ids].reshape(B, W * bs) for n, t in pool.meta.items()}
             parts.append((
                 None if k is None else k.reshape(B, W * bs, *k.shape[2:]).to(self.dtype),

@@ -14,6 +14,7 @@ import torch
 
 from ..ops.append_token import append_token
 from ..ops.evict_one import evict_one_in_place
+from ..ops.scatter_slots import move_slots
 from .pool import decoded_slots, empty_value
 from .row_reserve import RowReserve, pack_holes, release_empty_blocks
 
@@ -264,17 +265,17 @@ class StoreStatic:
                              "its tokens cannot be compacted one at a time")
         phys = torch.where(phys >= 0, phys, pool.trash_slot)  # a reserve's rows hold no block past their last
         order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)
-        source = phys.gather(1, order).reshape(-1)
+        source = phys.gather(1, order)
         count = kept.sum(1)
-        live = (torch.arange(width, device=self.device)[None, :] < count[:, None]).reshape(-1)
-        dest = phys.reshape(-1)
-        for tensors in (pool.slots, pool.meta):
-            for name, flat in pool.flat_slots(tensors).items():
-                moved = flat[source]  # read every source before writing any destination
-                if tensors is pool.meta:
-                    empty = torch.full_like(moved, empty_value(name))
-                    moved = torch.where(live, moved, empty)
-                flat[dest] = moved
+        live = torch.arange(width, device=self.device)[None, :] < count[:, None]
+        # the payload of the kept tokens that change slots (a row's tokens before its first eviction
+        # stay); the slots past a row's kept tokens are empty now, whatever their payload
+        for flat in pool.flat_slots(pool.slots).values():
+            move_slots(flat, source, phys, live & (source != phys), pool.trash_slot)
+        source, live, dest = source.reshape(-1), live.reshape(-1), phys.reshape(-1)
+        for name, flat in pool.flat_slots(pool.meta).items():
+            moved = flat[source]  # read every source before writing any destination
+            flat[dest] = torch.where(live, moved, torch.full_like(moved, empty_value(name)))
         region.length.copy_(count)
         region.num_blocks.copy_((count + bs - 1) // bs)
 
