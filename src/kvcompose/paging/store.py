@@ -341,10 +341,11 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             if pool.codec.group_tokens != 1:  # groups of tokens share their scales: decode whole blocks
                 raise ValueError(f"keys_at: format {pool.codec.name!r} encodes {pool.codec.group_tokens} tokens "
                                  "together; build the view with its keys instead")
-            at = torch.where(here, phys, 0).reshape(-1)  # every asked column decoded: shapes do not depend on which
+            at = torch.where(here, phys, 0)  # every asked column decoded: shapes do not depend on which
             names = pool.codec.key_tensors(sorted(set(pool.slots) | set(pool.blocks)))
-            slots = {n: t[at][:, None] for n, t in pool.flat_slots(pool.slots).items() if n in names}
-            groups = {n: t[at][:, None] for n, t in pool.flat_groups().items() if n in names}
+            flat = pool.flat_slots({n: t for n, t in pool.slots.items() if n in names})
+            slots = {n: gather_slots(t, at, here).view(S * N, 1, *t.shape[1:]) for n, t in flat.items()}
+            groups = {n: t[at.reshape(-1)][:, None] for n, t in pool.flat_groups().items() if n in names}
             scales = {n: t[rows_flat] for n, t in self.row_scales[pool.codec.name].items()}
             k = pool.codec.decode_keys(slots, groups, scales, self.dtype).reshape(S, N, H, D).to(self.dtype)
             out = torch.where(here[..., None, None], k, out)
