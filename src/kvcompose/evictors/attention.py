@@ -103,7 +103,9 @@ def window_attention(ctx: EvictionContext, window: int, gqa: str) -> torch.Tenso
     """
     if ctx.queries is None or ctx.query_valid is None:
         raise ValueError(f"attention scoring needs the last {window} queries; the store must fill ctx.queries")
-    keys = ctx.keys.float()
+    # fp32 in [B, Hkv, L, D] order: a view's keys lie token-major, and the einsum's batched product would
+    # copy them again into that order
+    keys = ctx.keys.to(torch.float32, memory_format=torch.contiguous_format)
     B, Hkv, L, D = keys.shape
     q = ctx.queries[:, :, -window:].float()
     Hq, W = q.shape[1], q.shape[2]
