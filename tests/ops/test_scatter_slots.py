@@ -20,6 +20,8 @@ def per_slot(kind: str, g: torch.Generator) -> torch.Tensor:
         return torch.rand(SLOTS, generator=g)
     if kind.startswith("head "):  # each head's rows together (a head-major pool)
         return to_head_major(per_slot(kind[5:], g))
+    if kind == "scales":  # one fp16 per head: a head's row is one value
+        return torch.rand(SLOTS, 3, generator=g).half()
     if kind == "codes":  # 2 heads x 24 bytes: whole words
         return torch.randint(0, 256, (SLOTS, 2, 24), generator=g, dtype=torch.uint8)
     return torch.randint(0, 256, (SLOTS, 3, 3), generator=g, dtype=torch.uint8)  # 9 bytes a slot: bytes
@@ -42,7 +44,7 @@ def on_both(op, flat: torch.Tensor, *args, backend: str = "triton") -> torch.Ten
     return want
 
 
-@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes", "head codes", "head bytes"])
+@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes", "head codes", "head bytes", "head scales"])
 def test_copy_kernel_matches_reference(kind):
     g = torch.Generator().manual_seed(len(kind))
     flat = per_slot(kind, g)
@@ -78,7 +80,7 @@ def compaction(g: torch.Generator, B: int = 3, L: int = 9):
     return source, phys, live & (source != phys)
 
 
-@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes", "head codes", "head bytes"])
+@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes", "head codes", "head bytes", "head scales"])
 def test_move_kernel_matches_reference(kind):
     g = torch.Generator().manual_seed(11 + len(kind))
     flat = per_slot(kind, g)
@@ -92,7 +94,7 @@ def test_move_kernel_matches_reference(kind):
     assert torch.equal(want[untouched], flat[untouched])
 
 
-@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes", "head codes", "head bytes"])
+@pytest.mark.parametrize("kind", ["valid", "pos", "mass", "codes", "bytes", "head codes", "head bytes", "head scales"])
 def test_gather_kernel_matches_reference(kind):
     g = torch.Generator().manual_seed(21 + len(kind))
     flat = per_slot(kind, g)

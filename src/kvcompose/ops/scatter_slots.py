@@ -21,7 +21,6 @@ import math
 import torch
 
 from .dispatch import step_kernel_runs
-from .paged_attention.formats import head_major_rows, to_head_major
 from .triton_shim import jit, next_pow2, tl
 
 ELEMENTS = 4096  # elements a program writes (slots x words per slot)
@@ -60,14 +59,21 @@ def _copy_kernel(src_ptr, dst_ptr, source_ptr, target_ptr, mask_ptr, n, src_head
     tl.store(dst_ptr + head * dst_head + target[:, None] * dst_slot + e[None, :], words, mask=at)
 
 
+def per_head_rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` ``[S, H, ...]`` is a view of contiguous ``[H, S, ...]`` storage (a head-major pool's
+    flat view) and not also contiguous: its rows are copied one head at a time."""
+    return t.dim() >= 2 and not t.is_contiguous() and t.transpose(0, 1).is_contiguous()
+
+
 def _check(flat: torch.Tensor, mask: torch.Tensor, *indexes: torch.Tensor) -> None:
     if mask.dtype != torch.bool or any(t.dtype != torch.long or t.shape != mask.shape for t in indexes):
         raise ValueError(f"slot indexes must be int64 with the mask's shape {tuple(mask.shape)} and the mask bool; "
                          f"got {[(t.dtype, tuple(t.shape)) for t in indexes]} and {mask.dtype}")
-    if not flat.is_contiguous() and not head_major_rows(flat):
+    if not flat.is_contiguous() and not per_head_rows(flat):
+        head_major = flat.transpose(0, 1).contiguous().transpose(0, 1).stride() if flat.dim() >= 2 else None
         raise ValueError(f"the per-slot tensor must be contiguous or head-major (a pool's flat view); got shape "
                          f"{tuple(flat.shape)} with strides {flat.stride()}, accepted: {flat.contiguous().stride()} or "
-                         f"{to_head_major(flat).stride() if flat.dim() >= 3 else 'none (one value per slot)'}")
+                         f"{head_major or 'none (one value per slot)'}")
 
 
 def fill_slots(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, value, trash: int,
@@ -143,9 +149,9 @@ class _Rows:
 
     def __init__(self, flat: torch.Tensor, like: torch.Tensor | None = None):
         S = flat.shape[0]
-        if head_major_rows(flat):  # [S, H, ...] over [H, S, ...] storage
+        if per_head_rows(flat):  # [S, H, ...] over [H, S, ...] storage
             rows = flat.transpose(0, 1).reshape(flat.shape[1], S, math.prod(flat.shape[2:]))
-        elif like is not None and head_major_rows(like):  # contiguous [S, H, ...], moved a head at a time
+        elif like is not None and per_head_rows(like):  # contiguous [S, H, ...], moved a head at a time
             rows = flat.reshape(S, flat.shape[1], math.prod(flat.shape[2:])).transpose(0, 1)
         else:  # whole slots
             rows = flat.reshape(1, S, math.prod(flat.shape[1:]))
