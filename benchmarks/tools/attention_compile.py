@@ -101,8 +101,10 @@ def main(argv=None) -> int:
     count += 1
     sig = {"src_ptr": "*i32", "dst_ptr": "*i32", "source_ptr": "*i64", "target_ptr": "*i64", "mask_ptr": "*i1",
            "n": "i32", "src_head": "i32", "src_slot": "i32", "dst_head": "i32", "dst_slot": "i32"}
-    for dense, what in ((False, "slot copies of a pack or compaction"), (True, "slot gathers of a view")):
-        kernel = compile_for_hopper(scatter_slots._copy_kernel, sig, dict(E=64, E_P=64, BLOCK=64, DENSE=dense), 4)
+    for gather, scatter, what in ((False, False, "slot copies of a pack"), (True, False, "slot gathers of a view"),
+                                  (False, True, "slot scatters of a compaction")):
+        consts = dict(E=64, E_P=64, BLOCK=64, GATHER=gather, SCATTER=scatter)
+        kernel = compile_for_hopper(scatter_slots._copy_kernel, sig, consts, 4)
         print(f"{what} (per head where rows are head-major): {len(kernel.asm['cubin'])} bytes of cubin")
         count += 1
     print(f"compiled {count} kernels")

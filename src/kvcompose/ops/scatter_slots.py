@@ -37,20 +37,24 @@ def _fill_kernel(flat_ptr, index_ptr, mask_ptr, value_ptr, n, BLOCK: tl.constexp
 
 @jit
 def _copy_kernel(src_ptr, dst_ptr, source_ptr, target_ptr, mask_ptr, n, src_head, src_slot, dst_head, dst_slot,
-                 E: tl.constexpr, E_P: tl.constexpr, BLOCK: tl.constexpr, DENSE: tl.constexpr):
+                 E: tl.constexpr, E_P: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+                 SCATTER: tl.constexpr):
     """Row ``(head, source[i])`` of ``src`` to row ``(head, target[i])`` of ``dst`` where ``mask[i]``
-    (``program_id(1)``: the head; strides in words). ``DENSE``: the target of entry ``i`` is row ``i``,
-    and a masked-out entry writes zeros there (a gather's output)."""
+    (``program_id(1)``: the head; strides in words). ``GATHER``: the target of entry ``i`` is row ``i``,
+    and a masked-out entry writes zeros there; ``SCATTER``: the source of entry ``i`` is row ``i``."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
     take = (tl.load(mask_ptr + i, mask=inside, other=0) != 0) & inside
-    source = tl.load(source_ptr + i, mask=take, other=0)
+    if SCATTER:
+        source = i.to(tl.int64)
+    else:
+        source = tl.load(source_ptr + i, mask=take, other=0)
     head = tl.program_id(1).to(tl.int64)
     e = tl.arange(0, E_P)
     cols = (e < E)[None, :]
     words = tl.load(src_ptr + head * src_head + source[:, None] * src_slot + e[None, :], mask=take[:, None] & cols,
                     other=0)
-    if DENSE:
+    if GATHER:
         target = i.to(tl.int64)
         at = inside[:, None] & cols
     else:
@@ -108,7 +112,7 @@ def copy_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, m
         copy_slots_torch(flat, source, target, mask, trash)
         return
     rows = _Rows(flat)
-    _launch_copy(rows, rows, source, target, mask, dense=False)
+    _launch_copy(rows, rows, source, target, mask)
 
 
 def move_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, trash: int,
@@ -120,8 +124,7 @@ def move_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, m
         copy_slots_torch(flat, source, target, mask, trash)
         return
     moved = gather_slots(flat, source, mask, backend)
-    order = torch.arange(mask.numel(), device=mask.device).view(mask.shape)
-    _launch_copy(_Rows(moved.view(-1, *flat.shape[1:]), like=flat), _Rows(flat), order, target, mask, dense=False)
+    _launch_copy(_Rows(moved.view(-1, *flat.shape[1:]), like=flat), _Rows(flat), target, target, mask, scatter=True)
 
 
 def gather_slots(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
@@ -132,7 +135,7 @@ def gather_slots(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
     if not step_kernel_runs(mask, _copy_kernel, backend):
         return gather_slots_torch(flat, index, mask)
     out = torch.empty(*mask.shape, *flat.shape[1:], dtype=flat.dtype, device=flat.device)
-    _launch_copy(_Rows(flat), _Rows(out.view(-1, *flat.shape[1:]), like=flat), index, index, mask, dense=True)
+    _launch_copy(_Rows(flat), _Rows(out.view(-1, *flat.shape[1:]), like=flat), index, index, mask, gather=True)
     return out
 
 
@@ -162,13 +165,15 @@ class _Rows:
 
 
 def _launch_copy(src: _Rows, dst: _Rows, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
-                 dense: bool) -> None:
+                 gather: bool = False, scatter: bool = False) -> None:
+    """The copy kernel over ``mask``'s entries (``gather``: dense targets, ``scatter``: dense sources; the
+    index tensor of a dense side is not read)."""
     E_P = next_pow2(src.E)
     block = max(1, ELEMENTS // E_P)
     n = mask.numel()
     _copy_kernel[(triton_blocks(n, block), src.heads)](
         src.words, dst.words, source.contiguous(), target.contiguous(), mask.contiguous(), n, src.head, src.slot,
-        dst.head, dst.slot, E=src.E, E_P=E_P, BLOCK=block, DENSE=dense)
+        dst.head, dst.slot, E=src.E, E_P=E_P, BLOCK=block, GATHER=gather, SCATTER=scatter)
 
 
 def copy_slots_torch(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,

@@ -122,9 +122,10 @@ class BlockPool:
         return storage.view(heads, blocks, bs, *rest).movedim(0, 2)
 
     # ------------------------------------------------------------- flat views
-    def flat_slots(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Slot-indexed views (``[capacity * block_size, ...]``) of per-slot tensors."""
-        return {n: t.view(self.capacity * self.block_size, *t.shape[2:]) for n, t in tensors.items()}
+    def flat_slots(self, tensors: dict[str, torch.Tensor], names=None) -> dict[str, torch.Tensor]:
+        """Slot-indexed views (``[capacity * block_size, ...]``) of per-slot tensors (``names``: of those only)."""
+        return {n: t.view(self.capacity * self.block_size, *t.shape[2:]) for n, t in tensors.items()
+                if names is None or n in names}
 
     def flat_groups(self) -> dict[str, torch.Tensor]:
         """Group-indexed views of per-block tensors (a block holds ``block_size / group_tokens`` groups)."""

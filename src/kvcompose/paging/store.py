@@ -279,7 +279,7 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             slot = table[:, :, None] * bs + torch.arange(bs, device=self.device)
             phys = torch.where(inside, slot.reshape(B, -1), -1)
             # per slot, as whole rows (ops.scatter_slots): indexing a head-major pool by block moves an element a thread
-            flat = pool.flat_slots({n: t for n, t in pool.slots.items() if n in wanted})
+            flat = pool.flat_slots(pool.slots, wanted)
             slots = {n: gather_slots(t, phys, inside).view(B * W, bs, *t.shape[1:]) for n, t in flat.items()}
             groups = {n: t[ids] for n, t in pool.blocks.items() if n in wanted}
             rows = torch.arange(B, device=self.device).repeat_interleave(W) if keys else None
@@ -343,7 +343,7 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
                                  "together; build the view with its keys instead")
             at = torch.where(here, phys, 0)  # every asked column decoded: shapes do not depend on which
             names = pool.codec.key_tensors(sorted(set(pool.slots) | set(pool.blocks)))
-            flat = pool.flat_slots({n: t for n, t in pool.slots.items() if n in names})
+            flat = pool.flat_slots(pool.slots, names)
             slots = {n: gather_slots(t, at, here).view(S * N, 1, *t.shape[1:]) for n, t in flat.items()}
             groups = {n: t[at.reshape(-1)][:, None] for n, t in pool.flat_groups().items() if n in names}
             scales = {n: t[rows_flat] for n, t in self.row_scales[pool.codec.name].items()}
