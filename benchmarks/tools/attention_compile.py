@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_sass import compile_for_hopper  # noqa: E402
 
-from kvcompose.ops import rotate_rows, scatter_slots  # noqa: E402
+from kvcompose.ops import compact_rows, rotate_rows, scatter_slots  # noqa: E402
 from kvcompose.ops.paged_attention import formats, kernels, launch  # noqa: E402
 
 # (key format, value format, codes dtype, scale dtype, bits)
@@ -100,12 +100,19 @@ def main(argv=None) -> int:
     print(f"attention mass: {len(kernel.asm['cubin'])} bytes of cubin")
     count += 1
     sig = {"src_ptr": "*i32", "dst_ptr": "*i32", "source_ptr": "*i64", "target_ptr": "*i64", "mask_ptr": "*i1",
-           "n": "i32", "src_head": "i32", "src_slot": "i32", "dst_head": "i32", "dst_slot": "i32"}
-    for gather, scatter, what in ((False, False, "slot copies of a pack"), (True, False, "slot gathers of a view"),
-                                  (False, True, "slot scatters of a compaction")):
-        consts = dict(E=64, E_P=64, BLOCK=64, GATHER=gather, SCATTER=scatter)
+           "n": "i32", "src_head": "i32", "src_slot": "i32", "dst_head": "i32", "dst_slot": "i32", "fill": "i32"}
+    for gather, scatter, every, what in ((False, False, False, "slot copies of a pack"),
+                                         (True, False, False, "slot gathers of a view"),
+                                         (False, True, False, "slot scatters of a compaction"),
+                                         (False, True, True, "slot scatters of a compaction's metadata")):
+        consts = dict(E=64, E_P=64, BLOCK=64, GATHER=gather, SCATTER=scatter, EVERY=every)
         kernel = compile_for_hopper(scatter_slots._copy_kernel, sig, consts, 4)
         print(f"{what} (per head where rows are head-major): {len(kernel.asm['cubin'])} bytes of cubin")
+        count += 1
+    for dtype in ("i32", "u8", "i64"):
+        sig = {"x_ptr": f"*{dtype}", "keep_ptr": "*i1", "fill": "i32", "N": "i32", "E": "i32"}
+        kernel = compile_for_hopper(compact_rows._compact_rows_kernel, sig, dict(N_P=128, E_BLOCK=32), 4)
+        print(f"buffer compaction ({dtype} words): {len(kernel.asm['cubin'])} bytes of cubin")
         count += 1
     print(f"compiled {count} kernels")
     return 0

@@ -131,3 +131,33 @@ def test_kernels_match_reference_on_gpu(kind):
     assert torch.equal(gather_slots(flat, frm, moving), gather_slots_torch(flat, frm, moving))
     if flat.dim() == 1:
         on_both(fill_slots, flat, source, mask, False if kind == "valid" else -1, backend=None)
+    fill = -1 if kind == "pos" else 0
+    want, got = flat.clone(), flat.clone()
+    move_slots(want, frm, to, moving, TRASH, backend="torch", fill=fill)
+    move_slots(got, frm, to, moving, TRASH, fill=fill)
+    assert torch.equal(want[:TRASH], got[:TRASH])
+
+
+@pytest.mark.parametrize("kind,fill", [("valid", 0), ("pos", -1), ("mass", 0), ("head codes", 0)])
+def test_move_with_fill_writes_every_target(kind, fill):
+    """A compaction's metadata: kept entries move, every other target becomes empty."""
+    g = torch.Generator().manual_seed(31 + len(kind))
+    flat = per_slot(kind, g)
+    source, target, mask = compaction(g)
+    want, got = flat.clone(), flat.clone()
+    move_slots(want, source, target, mask, TRASH, backend="torch", fill=fill)
+    move_slots(got, source, target, mask, TRASH, backend="triton", fill=fill)
+    assert torch.equal(want[:TRASH], got[:TRASH])
+    assert torch.equal(want[target[mask]], flat[source[mask]])
+    assert bool((want[target[~mask]] == fill).all())
+    assert torch.equal(gather_slots(flat, source, mask, backend="triton", fill=fill),
+                       gather_slots_torch(flat, source, mask, fill))
+
+
+def test_fill_must_be_whole_words():
+    index = torch.zeros(2, 3, dtype=torch.long)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="fill must be 0, or -1 for an integer tensor"):
+        gather_slots(torch.zeros(SLOTS), index, mask, fill=-1)
+    with pytest.raises(ValueError, match="fill must be 0"):
+        move_slots(torch.zeros(SLOTS, dtype=torch.long), index, index, mask, TRASH, fill=5)

@@ -67,17 +67,24 @@ class ThoughtEvictor(Evictor):
 
     def _next(self, size: torch.Tensor) -> torch.Tensor:
         """The next retention value below ``size`` (``size`` itself at or under the floor)."""
-        return self._levels(size)[..., 1]
+        return self._steps_down(size, 1)[..., 0]
 
     def _levels(self, size: torch.Tensor) -> torch.Tensor:
         """``[..., R + 1]``: ``size``, then the next retention value below, again and again (the
-        floor is reached within ``R`` steps; a size at or under it stays), from one search of
-        the retention values."""
-        ascending = device_constant(tuple(sorted(self.retention)), size.device)
-        below = torch.searchsorted(ascending, size.contiguous())[..., None]  # retention values under size
-        step = torch.arange(len(self.retention) + 1, device=size.device)
-        chain = ascending[(below - step).clamp(min=0, max=len(self.retention) - 1)]
-        return torch.where((step == 0) | (below == 0), size[..., None], chain)
+        floor is reached within ``R`` steps; a size at or under it stays)."""
+        return torch.cat([size[..., None], self._steps_down(size, len(self.retention))], dim=-1)
+
+    def _steps_down(self, size: torch.Tensor, n: int) -> torch.Tensor:
+        """``[..., n]``: the retention value 1, 2, ..., ``n`` steps below ``size``, from one search of
+        the retention values. The table below is padded with ``R`` copies of the floor, so a step past
+        the floor reads the floor, and the minimum with ``size`` keeps a size at or under the floor
+        (the few launches matter: this runs per layer in a captured eviction step)."""
+        R = len(self.retention)
+        ascending = tuple(sorted(self.retention))
+        padded = device_constant((ascending[0],) * R + ascending, size.device)
+        offsets = device_constant(tuple(range(R - 1, R - 1 - n, -1)), size.device)  # R - k for k = 1..n
+        below = torch.searchsorted(padded[R:], size.contiguous())[..., None]  # retention values under size
+        return torch.minimum(padded[below + offsets], size[..., None])
 
     def select(self, ctx: EvictionContext) -> torch.Tensor:
         if ctx.segment < 1 or ctx.classes is None or not ctx.class_names:
@@ -95,7 +102,7 @@ class ThoughtEvictor(Evictor):
         size, cls = self._segment_sizes_and_classes(seg, gen, ctx.classes, S)
 
         names = list(ctx.class_names)
-        target = size.clone()
+        target = size  # replaced, never written in place
         # Case 1: the segment that just completed is a transition -> every earlier one steps down.
         if self.transition in names:
             last = (done - 1).clamp(min=0)

@@ -27,24 +27,28 @@ ELEMENTS = 4096  # elements a program writes (slots x words per slot)
 
 
 @jit
-def _fill_kernel(flat_ptr, index_ptr, mask_ptr, value_ptr, n, BLOCK: tl.constexpr):
+def _fill_kernel(flat_ptr, index_ptr, mask_ptr, value, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     take = (tl.load(mask_ptr + i, mask=i < n, other=0) != 0) & (i < n)
     slot = tl.load(index_ptr + i, mask=take, other=0)
-    value = tl.load(value_ptr) + tl.zeros([BLOCK], dtype=flat_ptr.dtype.element_ty)
-    tl.store(flat_ptr + slot, value, mask=take)
+    filled = (tl.zeros([BLOCK], dtype=tl.int32) + value).to(flat_ptr.dtype.element_ty)
+    tl.store(flat_ptr + slot, filled, mask=take)
 
 
 @jit
-def _copy_kernel(src_ptr, dst_ptr, source_ptr, target_ptr, mask_ptr, n, src_head, src_slot, dst_head, dst_slot,
+def _copy_kernel(src_ptr, dst_ptr, source_ptr, target_ptr, mask_ptr, n, src_head, src_slot, dst_head, dst_slot, fill,
                  E: tl.constexpr, E_P: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
-                 SCATTER: tl.constexpr):
+                 SCATTER: tl.constexpr, EVERY: tl.constexpr):
     """Row ``(head, source[i])`` of ``src`` to row ``(head, target[i])`` of ``dst`` where ``mask[i]``
     (``program_id(1)``: the head; strides in words). ``GATHER``: the target of entry ``i`` is row ``i``,
-    and a masked-out entry writes zeros there; ``SCATTER``: the source of entry ``i`` is row ``i``."""
+    and a masked-out entry writes ``fill`` words there; ``SCATTER``: the source of entry ``i`` is row
+    ``i``; ``EVERY``: every entry is taken (the mask is not read)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
-    take = (tl.load(mask_ptr + i, mask=inside, other=0) != 0) & inside
+    if EVERY:
+        take = inside
+    else:
+        take = (tl.load(mask_ptr + i, mask=inside, other=0) != 0) & inside
     if SCATTER:
         source = i.to(tl.int64)
     else:
@@ -53,7 +57,7 @@ def _copy_kernel(src_ptr, dst_ptr, source_ptr, target_ptr, mask_ptr, n, src_head
     e = tl.arange(0, E_P)
     cols = (e < E)[None, :]
     words = tl.load(src_ptr + head * src_head + source[:, None] * src_slot + e[None, :], mask=take[:, None] & cols,
-                    other=0)
+                    other=fill)
     if GATHER:
         target = i.to(tl.int64)
         at = inside[:, None] & cols
@@ -92,9 +96,9 @@ def fill_slots(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, valu
         fill_slots_torch(flat, index, mask, value, trash)
         return
     words = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
-    fill = torch.full((1,), value, dtype=words.dtype, device=flat.device)
+    scalar = float(value) if flat.dtype.is_floating_point else int(value)  # an argument, not a tensor to fill
     n = mask.numel()
-    _fill_kernel[(triton_blocks(n, 1024),)](words, index.contiguous(), mask.contiguous(), fill, n, BLOCK=1024)
+    _fill_kernel[(triton_blocks(n, 1024),)](words, index.contiguous(), mask.contiguous(), scalar, n, BLOCK=1024)
 
 
 def fill_slots_torch(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, value, trash: int) -> None:
@@ -116,33 +120,48 @@ def copy_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, m
 
 
 def move_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, trash: int,
-               backend: str | None = None) -> None:
+               backend: str | None = None, fill: int | None = None) -> None:
     """:func:`copy_slots` where a slot may be both a source and a target (a compaction): every
-    source is read, into scratch of the moved rows, before any target is written."""
+    source is read, into scratch of the moved rows, before any target is written. ``fill``
+    (0, or -1 for an integer tensor): every target is written, a masked-out entry's with ``fill``
+    (a compaction's metadata: the slots past a row's kept tokens become empty)."""
     _check(flat, mask, source, target)
+    _check_fill(flat, fill)
     if not step_kernel_runs(mask, _copy_kernel, backend):
-        copy_slots_torch(flat, source, target, mask, trash)
+        copy_slots_torch(flat, source, target, mask, trash, fill)
         return
-    moved = gather_slots(flat, source, mask, backend)
-    _launch_copy(_Rows(moved.view(-1, *flat.shape[1:]), like=flat), _Rows(flat), target, target, mask, scatter=True)
+    moved = gather_slots(flat, source, mask, backend, fill=fill or 0)
+    _launch_copy(_Rows(moved.view(-1, *flat.shape[1:]), like=flat), _Rows(flat), target, target, mask, scatter=True,
+                 every=fill is not None)
 
 
 def gather_slots(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
-                 backend: str | None = None) -> torch.Tensor:
-    """``flat[index]`` where ``mask``, zeros elsewhere: ``[*mask.shape, *flat.shape[1:]]``, contiguous
-    (``index`` may be anything where ``mask`` is False). Arguments as :func:`fill_slots`."""
+                 backend: str | None = None, fill: int = 0) -> torch.Tensor:
+    """``flat[index]`` where ``mask``, ``fill`` elsewhere (0, or -1 for an integer tensor):
+    ``[*mask.shape, *flat.shape[1:]]``, contiguous (``index`` may be anything where ``mask`` is
+    False). Arguments as :func:`fill_slots`."""
     _check(flat, mask, index)
+    _check_fill(flat, fill)
     if not step_kernel_runs(mask, _copy_kernel, backend):
-        return gather_slots_torch(flat, index, mask)
+        return gather_slots_torch(flat, index, mask, fill)
     out = torch.empty(*mask.shape, *flat.shape[1:], dtype=flat.dtype, device=flat.device)
-    _launch_copy(_Rows(flat), _Rows(out.view(-1, *flat.shape[1:]), like=flat), index, index, mask, gather=True)
+    _launch_copy(_Rows(flat), _Rows(out.view(-1, *flat.shape[1:]), like=flat), index, index, mask, gather=True,
+                 fill=fill)
     return out
 
 
-def gather_slots_torch(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def gather_slots_torch(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, fill: int = 0) -> torch.Tensor:
     """Reference of :func:`gather_slots`."""
     picked = flat[torch.where(mask, index, 0)]
-    return torch.where(mask.view(*mask.shape, *[1] * (flat.dim() - 1)), picked, torch.zeros_like(picked))
+    return torch.where(mask.view(*mask.shape, *[1] * (flat.dim() - 1)), picked, torch.full_like(picked, fill))
+
+
+def _check_fill(flat: torch.Tensor, fill: int | None) -> None:
+    """The kernels write ``fill`` as whole words: all zero bits, or all one bits (-1 in any integer width)."""
+    if fill is None or fill == 0 and not isinstance(fill, bool):
+        return
+    if fill != -1 or isinstance(fill, bool) or flat.dtype.is_floating_point or flat.dtype == torch.bool:
+        raise ValueError(f"fill must be 0, or -1 for an integer tensor; got {fill!r} for {flat.dtype}")
 
 
 class _Rows:
@@ -165,22 +184,26 @@ class _Rows:
 
 
 def _launch_copy(src: _Rows, dst: _Rows, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
-                 gather: bool = False, scatter: bool = False) -> None:
+                 gather: bool = False, scatter: bool = False, every: bool = False, fill: int = 0) -> None:
     """The copy kernel over ``mask``'s entries (``gather``: dense targets, ``scatter``: dense sources; the
-    index tensor of a dense side is not read)."""
+    index tensor of a dense side is not read; ``every``: all entries, the mask is not read)."""
     E_P = next_pow2(src.E)
     block = max(1, ELEMENTS // E_P)
     n = mask.numel()
     _copy_kernel[(triton_blocks(n, block), src.heads)](
         src.words, dst.words, source.contiguous(), target.contiguous(), mask.contiguous(), n, src.head, src.slot,
-        dst.head, dst.slot, E=src.E, E_P=E_P, BLOCK=block, GATHER=gather, SCATTER=scatter)
+        dst.head, dst.slot, fill, E=src.E, E_P=E_P, BLOCK=block, GATHER=gather, SCATTER=scatter, EVERY=every)
 
 
 def copy_slots_torch(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
-                     trash: int) -> None:
-    """Reference of :func:`copy_slots`: every source is read before any target is written."""
+                     trash: int, fill: int | None = None) -> None:
+    """Reference of :func:`copy_slots` and :func:`move_slots`: every source is read before any target is written."""
     moved = flat.index_select(0, torch.where(mask, source, trash).reshape(-1))
-    flat.index_copy_(0, torch.where(mask, target, trash).reshape(-1), moved)
+    if fill is None:
+        flat.index_copy_(0, torch.where(mask, target, trash).reshape(-1), moved)
+        return
+    taken = mask.reshape(-1, *[1] * (flat.dim() - 1))
+    flat.index_copy_(0, target.reshape(-1), torch.where(taken, moved, torch.full_like(moved, fill)))
 
 
 def triton_blocks(n: int, block: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device_constants import device_constant
 from .codec import DenseCodec
 from .pool import BlockPool
 
@@ -57,8 +58,16 @@ class StoreMemory:
     def bytes_in_use(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """:meth:`memory`'s ``in_use`` as a device scalar (no host synchronization)."""
         sizes = self._sizes(dtype)
-        blocks = sum(r.blocks_written() * sum(sizes["block"][id(r.pool)]) for r in self.regions)
-        return blocks + sizes["tables"] + sizes["buffer"] + sizes["buffer_meta"]
+        fixed = sizes["tables"] + sizes["buffer"] + sizes["buffer_meta"]
+        block_sizes = {r.pool.block_size for r in self.regions}
+        if len(block_sizes) != 1 or any(r.pool.refs is not None for r in self.regions):
+            return sum(r.blocks_written() * sum(sizes["block"][id(r.pool)]) for r in self.regions) + fixed
+        # every region at once (a few launches per layer, not a few per region: this runs in eviction steps)
+        bs = block_sizes.pop()
+        lengths = torch.stack([r.length for r in self.regions])  # [regions, B]
+        blocks = ((lengths + (bs - 1)) // bs).sum(1)
+        per_block = device_constant(tuple(sum(sizes["block"][id(r.pool)]) for r in self.regions), lengths.device)
+        return (blocks * per_block).sum() + fixed
 
     def _sizes(self, dtype: torch.dtype | None) -> dict:
         """Bytes per block of each pool (payload, metadata) and of what does not depend on

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..ops.append_token import append_token
+from ..ops.compact_rows import compact_rows_
 from ..ops.evict_one import evict_one_in_place
 from ..ops.scatter_slots import move_slots
 from .pool import decoded_slots, empty_value
@@ -272,10 +273,9 @@ class StoreStatic:
         # stay); the slots past a row's kept tokens are empty now, whatever their payload
         for flat in pool.flat_slots(pool.slots).values():
             move_slots(flat, source, phys, live & (source != phys), pool.trash_slot)
-        source, live, dest = source.reshape(-1), live.reshape(-1), phys.reshape(-1)
+        # every slot of the row's columns is written: its kept token's metadata, or empty past them
         for name, flat in pool.flat_slots(pool.meta).items():
-            moved = flat[source]  # read every source before writing any destination
-            flat[dest] = torch.where(live, moved, torch.full_like(moved, empty_value(name)))
+            move_slots(flat, source, phys, live, pool.trash_slot, fill=empty_value(name))
         region.length.copy_(count)
         region.num_blocks.copy_((count + bs - 1) // bs)
 
@@ -306,12 +306,7 @@ class StoreStatic:
         return [(self.buf_k, 0), (self.buf_v, 0)] + [(t, empty_value(n)) for n, t in self.buf_meta.items()]
 
     def _repack_buffer(self, keep: torch.Tensor) -> None:
-        """Move the buffer's ``keep`` tokens, in order, to its front (fixed shapes)."""
-        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
-        count = keep.sum(1)
-        kept = torch.arange(keep.shape[1], device=self.device)[None, :] < count[:, None]
+        """Move the buffer's ``keep`` tokens, in order, to its front (fixed shapes): one launch per tensor."""
         for t, fill in self._buffer_tensors():
-            index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand_as(t)
-            shape = (*kept.shape, *[1] * (t.dim() - 2))
-            t.copy_(torch.where(kept.view(shape), t.gather(1, index), fill))
-        self.buf_len.copy_(count)
+            compact_rows_(t, keep, fill)
+        self.buf_len.copy_(keep.sum(1))
