@@ -180,5 +180,6 @@ def test_over_budget_step_downs_equal_the_round_by_round_rule():
         held = target.sum(1) + torch.randint(0, 40, (B,), generator=g)
         keep = torch.randint(0, int(held.max()) + 1, (B,), generator=g)
         expected = _step_down_by_rounds(tbe, target, closed, importance, 3, held, keep)
-        got = tbe._step_down_over_budget(target, closed, importance, 3, held, keep)
+        order_key = (3 + 1 - importance) * S + torch.arange(S)[None, :]  # as select builds it
+        got = tbe._step_down_over_budget(target, closed, order_key, held, keep)
         assert torch.equal(got, expected), (trial, target, closed, importance, held, keep, got, expected)

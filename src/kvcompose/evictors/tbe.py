@@ -107,14 +107,16 @@ class ThoughtEvictor(Evictor):
         if self.transition in names:
             last = (done - 1).clamp(min=0)
             ended_t = (done > 0) & (cls.gather(1, last[:, None])[:, 0] == names.index(self.transition))
-            earlier = closed & (idx[None, :] < last[:, None]) & ended_t[:, None]
+            earlier = (idx[None, :] < last[:, None]) & ended_t[:, None]  # closed: last < done
             target = torch.where(earlier, self._next(target), target)
         # Case 2: over budget -> least important, oldest completed segment steps down, repeatedly.
-        rank = device_constant(tuple(self.importance.index(n) if n in self.importance else len(self.importance)
-                                    for n in names), seg.device)
-        importance = torch.where(cls >= 0, rank[cls.clamp(min=0)], -1)
-        target = self._step_down_over_budget(target, closed, importance, len(names),
-                                             ctx.valid.sum(1) - (size - target).sum(1), ctx.keep)
+        # the order segments step down in: by importance rank (n + 1 - rank; an empty segment, class -1,
+        # reads the table's last entry n + 2), then oldest first
+        rank = [self.importance.index(n) if n in self.importance else len(self.importance) for n in names]
+        by_class = device_constant(tuple(len(names) + 1 - r for r in rank) + (len(names) + 2,), seg.device)
+        order_key = by_class[cls] * S + idx[None, :]
+        target = self._step_down_over_budget(target, closed, order_key, ctx.valid.sum(1) - (size - target).sum(1),
+                                             ctx.keep)
         return self._keep_representatives(ctx, gen, size, target)
 
     @staticmethod
@@ -123,7 +125,7 @@ class ThoughtEvictor(Evictor):
         over the columns each, not a ``[B, L, S]`` membership tensor. Columns outside the
         segments (prompt, empty, beyond ``S``) land in a spare last column."""
         B = seg.shape[0]
-        at = torch.where(gen & (seg < S), seg, S)
+        at = torch.where(gen, seg.clamp(max=S), S)
         size = torch.zeros(B, S + 1, dtype=torch.long, device=seg.device).scatter_add_(1, at, gen.long())
         cls = torch.full((B, S + 1), -1, dtype=torch.long, device=seg.device).scatter_reduce_(
             1, at, torch.where(gen, classes, -1), reduce="amax")
@@ -137,17 +139,17 @@ class ThoughtEvictor(Evictor):
             return max(0, ctx.columns_limit - ctx.prompt_columns) // ctx.segment
         return int(done.max()) if done.numel() else 0
 
-    def _step_down_over_budget(self, target, closed, importance, n_classes: int, held, keep) -> torch.Tensor:
+    def _step_down_over_budget(self, target, closed, order_key, held, keep) -> torch.Tensor:
         """Case 2 without a loop over rounds: while a row holds more than ``keep``, its least
         important, oldest segment that can still shrink steps down one level. That order is
         fixed (a segment goes down to its floor before the next one moves), so the moves form
         one sequence per row; a move happens while the tokens held before it exceed ``keep``,
-        which makes the moves taken a prefix of it (cumulative savings). No host reads."""
+        which makes the moves taken a prefix of it (cumulative savings). ``order_key``: ``[B, S]``,
+        ascending in that order. No host reads."""
         B, S = target.shape
         levels = self._levels(target)  # [B, S, R + 1]
         saving = (levels[..., :-1] - levels[..., 1:]) * closed[..., None]  # [B, S, R]
-        idx = torch.arange(S, device=target.device)
-        order = torch.argsort((n_classes + 1 - importance) * S + idx[None, :], dim=1, stable=True)
+        order = torch.argsort(order_key, dim=1, stable=True)
         ranked = saving.gather(1, order[..., None].expand_as(saving)).reshape(B, -1)
         before = ranked.cumsum(1) - ranked
         taken = ((held[:, None] - before) > keep[:, None]) & (ranked > 0)
@@ -183,4 +185,4 @@ class ThoughtEvictor(Evictor):
         drop = live & ~chosen & shrinks[..., None]
         dropped = torch.zeros(B, L, dtype=torch.int32, device=size.device).scatter_add_(
             1, cols.view(B, -1), drop.view(B, -1).to(torch.int32))
-        return (ctx.valid & (dropped == 0)) | (ctx.protected & ctx.valid)
+        return ctx.valid & ((dropped == 0) | ctx.protected)
