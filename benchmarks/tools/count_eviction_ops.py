@@ -8,8 +8,9 @@ launch, at the innermost line of kvcompose that issued it. Counts are per layer 
 
 With ``--smoke`` it runs a tiny model on the CPU with the Triton kernels interpreted, and the
 per-step ops take their kernels inside the counted compressions, as they do on a GPU (on CPU
-they would pick their torch references), so the count follows the GPU's code path. A GPU runs multi-kernel operators (sorts,
-scans) as several launches; ``profile_eviction_step.py`` counts the GPU's kernels themselves.
+they would pick their torch references), so the count follows the GPU's code path. A GPU runs
+some operators (sorts, scans) as several launches; ``profile_eviction_step.py`` counts the GPU's
+kernels themselves.
 
     python benchmarks/tools/count_eviction_ops.py --smoke --policies thinkv,rkv
     python benchmarks/tools/count_eviction_ops.py --policies thinkv --batch 16 --prompt 512 --new-tokens 700

@@ -64,7 +64,8 @@ class StoreMemory:
             return sum(r.blocks_written() * sum(sizes["block"][id(r.pool)]) for r in self.regions) + fixed
         # every region at once (a few launches per layer, not a few per region: this runs in eviction steps)
         bs = block_sizes.pop()
-        lengths = torch.stack([r.length for r in self.regions])  # [regions, B]
+        lengths = (torch.stack([r.length for r in self.regions]) if len(self.regions) > 1
+                   else self.regions[0].length[None])  # [regions, B]
         blocks = ((lengths + (bs - 1)) // bs).sum(1)
         per_block = device_constant(tuple(sum(sizes["block"][id(r.pool)]) for r in self.regions), lengths.device)
         return (blocks * per_block).sum() + fixed

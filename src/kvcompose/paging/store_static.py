@@ -169,7 +169,8 @@ class StoreStatic:
         rows whose holes reach ``max_hole_blocks`` blocks (in place; None: never), as the eager
         ``ct`` pager does. ``view`` must come from :meth:`view` in static mode (the parts of
         :meth:`view_parts`). An eviction that removed anything counts in ``evictions_on_device``."""
-        self.evictions_on_device += (view.valid & ~keep).any()
+        evicted = view.valid & ~keep  # once for every part (each operator is a launch of a captured step)
+        self.evictions_on_device += evicted.any()
         col = 0
         for blocks, members in self.view_parts():
             pool = members[0].pool
@@ -178,10 +179,10 @@ class StoreStatic:
             bs = pool.block_size
             width = blocks * bs
             phys, kept = view.phys[:, col:col + width], keep[:, col:col + width]
-            valid = view.valid[:, col:col + width]
+            gone = evicted[:, col:col + width]
             col += width
             if in_place:  # one value per slot: through the trash slot is faster than fill_slots (compaction_gpu.json)
-                target = torch.where(valid & ~kept, phys, pool.trash_slot).reshape(-1)
+                target = torch.where(gone, phys, pool.trash_slot).reshape(-1)
                 for name, flat in pool.flat_slots(pool.meta).items():
                     flat.index_fill_(0, target, empty_value(name))
             else:
