@@ -24,7 +24,6 @@ import sys
 if "--smoke" in sys.argv:  # triton.jit reads it when the kernels' modules are imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import argparse  # noqa: E402
 import importlib  # noqa: E402
 import traceback  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -35,8 +34,10 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_e2e_gpu
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the eviction profiler's arguments
 
-from bench_e2e_gpu import build_model, make_policy  # noqa: E402
+from bench_e2e_gpu import make_policy  # noqa: E402
+from profile_eviction_step import workload, workload_parser  # noqa: E402
 
 from kvcompose.hf.static import fast_generate  # noqa: E402
 from kvcompose.runtime import compression, layer as layer_runtime  # noqa: E402
@@ -120,7 +121,7 @@ def counting(tally: OpTally, force_kernels: bool):
     def kernels_run(x, kernel, backend, fits=True):  # in the counted steps only: the CPU decodes on torch
         return backend != "torch" and fits if tally.counting else dispatch.step_kernel_runs(x, kernel, backend, fits)
 
-    from kvcompose.ops import compact_rows, kmeans, scatter_slots  # noqa: F401  (their kernel classes)
+    from kvcompose.ops import compact_rows, scatter_slots  # their kernels: the kernel classes to count launches of
 
     for kernel in (scatter_slots._copy_kernel, compact_rows._compact_rows_kernel):
         cls = type(kernel)
@@ -162,18 +163,8 @@ def count_policy(model, name: str, args) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policies", default="thinkv")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--budget", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=768, help="decode steps (evictions start past the budget)")
-    ap.add_argument("--top", type=int, default=30, help="call sites and operators shown")
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, kernels interpreted")
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.batch, args.prompt, args.budget, args.new_tokens = 3, 16, 32, 120
-    model = build_model(args.smoke, "cpu" if args.smoke else "cuda")
+    args, model = workload(workload_parser(__doc__, 30, "call sites and operators shown",
+                                           "tiny model on the CPU, kernels interpreted"), argv)
     for name in [p for p in args.policies.split(",") if p]:
         record = count_policy(model, name, args)
         print(f"{name}: {record['eviction_steps']:.0f} eviction steps, {record['per_layer_step']:.1f} operators and "

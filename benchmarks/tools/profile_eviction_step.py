@@ -102,20 +102,33 @@ def profile_policy(model, name: str, args, smoke: bool) -> dict:
                          "ms_per_step": evictions.us[k] / 1e3 / per_step} for k in top]}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_parser(description: str, top: int, top_help: str, smoke_help: str) -> argparse.ArgumentParser:
+    """The arguments of the eviction-step tools (this one and ``count_eviction_ops.py``): which
+    policies decode, at which shapes, and how many entries are shown."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="thinkv")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=768, help="decode steps (evictions start past the budget)")
-    ap.add_argument("--top", type=int, default=20, help="kernels recorded per policy")
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, operators instead of kernels")
-    ap.add_argument("--out", default=None, help="history file the run is added to")
+    ap.add_argument("--top", type=int, default=top, help=top_help)
+    ap.add_argument("--smoke", action="store_true", help=smoke_help)
+    return ap
+
+
+def workload(ap: argparse.ArgumentParser, argv) -> tuple:
+    """``(args, model)``: the parsed arguments (``--smoke``: the tiny model's shapes) and the model."""
     args = ap.parse_args(argv)
     if args.smoke:
         args.batch, args.prompt, args.budget, args.new_tokens = 3, 16, 32, 120
-    model = build_model(args.smoke, "cpu" if args.smoke else "cuda")
+    return args, build_model(args.smoke, "cpu" if args.smoke else "cuda")
+
+
+def main(argv=None) -> int:
+    ap = workload_parser(__doc__, 20, "kernels recorded per policy",
+                         "tiny model on the CPU, operators instead of kernels")
+    ap.add_argument("--out", default=None, help="history file the run is added to")
+    args, model = workload(ap, argv)
     log = ResultLog(args.out) if args.out else None
     records = []
     for name in [p for p in args.policies.split(",") if p]:

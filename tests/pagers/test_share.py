@@ -123,6 +123,7 @@ class ShareMachine(RuleBasedStateMachine):
         assert mem["saved_by_sharing"] == (entries - physical) * pool.bytes_per_block
         assert int(region.shared_entries().sum()) == entries - physical
         assert mem["in_use"] == mem["payload"] + mem["metadata"] + mem["buffer"]
+        assert int(s.bytes_in_use()) == mem["in_use"]  # static decode's device count agrees
 
 
 TestShareMachine = ShareMachine.TestCase

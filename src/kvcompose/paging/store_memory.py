@@ -55,20 +55,25 @@ class StoreMemory:
             "saved_by_sharing": shared,
         }
 
-    def bytes_in_use(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def bytes_in_use(self, dtype: torch.dtype | None = None) -> torch.Tensor | int:
         """:meth:`memory`'s ``in_use`` as a device scalar (no host synchronization)."""
         sizes = self._sizes(dtype)
         fixed = sizes["tables"] + sizes["buffer"] + sizes["buffer_meta"]
-        block_sizes = {r.pool.block_size for r in self.regions}
-        if len(block_sizes) != 1 or any(r.pool.refs is not None for r in self.regions):
-            return sum(r.blocks_written() * sum(sizes["block"][id(r.pool)]) for r in self.regions) + fixed
-        # every region at once (a few launches per layer, not a few per region: this runs in eviction steps)
-        bs = block_sizes.pop()
+        if not self.regions:
+            return fixed
+        # every region at once, a few launches per layer (not per region: this runs in eviction steps)
+        device = self.regions[0].length.device
+        per_block = [sum(sizes["block"][id(r.pool)]) for r in self.regions]
+        bs = [r.pool.block_size for r in self.regions]
         lengths = (torch.stack([r.length for r in self.regions]) if len(self.regions) > 1
                    else self.regions[0].length[None])  # [regions, B]
-        blocks = ((lengths + (bs - 1)) // bs).sum(1)
-        per_block = device_constant(tuple(sum(sizes["block"][id(r.pool)]) for r in self.regions), lengths.device)
-        return (blocks * per_block).sum() + fixed
+        rounded = lengths + device_constant(tuple(b - 1 for b in bs), device)[:, None]
+        blocks = (rounded // device_constant(tuple(bs), device)[:, None]).sum(1)  # Region.blocks_written, unshared
+        total = (blocks * device_constant(tuple(per_block), device)).sum() + fixed
+        for r, size in zip(self.regions, per_block):
+            if r.pool.refs is not None:  # the share pager: a block several entries of a row reference counts once
+                total = total - r.shared_entries().sum() * size
+        return total
 
     def _sizes(self, dtype: torch.dtype | None) -> dict:
         """Bytes per block of each pool (payload, metadata) and of what does not depend on
