@@ -99,16 +99,23 @@ def main(argv=None) -> int:
     kernel = compile_for_hopper(kernels._mass_kernel, sig, dict(HQ=32, HP=32, BS=16, BLOCK=launch.MASS_BLOCK), launch.WARPS)
     print(f"attention mass: {len(kernel.asm['cubin'])} bytes of cubin")
     count += 1
-    sig = {"src_ptr": "*i32", "dst_ptr": "*i32", "source_ptr": "*i64", "target_ptr": "*i64", "mask_ptr": "*i1",
-           "n": "i32", "src_head": "i32", "src_slot": "i32", "dst_head": "i32", "dst_slot": "i32", "fill": "i32"}
+    rows = ("*i32", "*i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32")  # a pool tensor's words and strides
+    sig = {"tensors": (rows,), "source_ptr": "*i64", "target_ptr": "*i64", "mask_ptr": "*i1", "n": "i32"}
     for gather, scatter, every, what in ((False, False, False, "slot copies of a pack"),
                                          (True, False, False, "slot gathers of a view"),
                                          (False, True, False, "slot scatters of a compaction"),
                                          (False, True, True, "slot scatters of a compaction's metadata")):
-        consts = dict(E=64, E_P=64, BLOCK=64, GATHER=gather, SCATTER=scatter, EVERY=every)
+        consts = dict(SHAPES=((64, 64, False),), BLOCK=64, GATHER=gather, SCATTER=scatter, EVERY=every)
         kernel = compile_for_hopper(scatter_slots._copy_kernel, sig, consts, 4)
         print(f"{what} (per head where rows are head-major): {len(kernel.asm['cubin'])} bytes of cubin")
         count += 1
+    pool = {"tensors": (rows, rows, ("*u8", "*u8", *rows[2:]), ("*i32", "*i32", *rows[2:])),
+            "source_ptr": "*i64", "target_ptr": "*i64", "mask_ptr": "*i1", "n": "i32"}
+    consts = dict(SHAPES=((16, 16, False), (2, 2, False), (1, 1, True), (2, 2, True)), BLOCK=256, GATHER=False,
+                  SCATTER=False, EVERY=False)
+    kernel = compile_for_hopper(scatter_slots._copy_kernel, pool, consts, 4)
+    print(f"a pack of a whole pool (payload, then metadata cleared): {len(kernel.asm['cubin'])} bytes of cubin")
+    count += 1
     for dtype in ("i32", "u8", "i64"):
         sig = {"x_ptr": f"*{dtype}", "keep_ptr": "*i1", "fill": "i32", "N": "i32", "E": "i32"}
         kernel = compile_for_hopper(compact_rows._compact_rows_kernel, sig, dict(N_P=128, E_BLOCK=32), 4)

@@ -4,8 +4,11 @@ reference writes exactly the masked entries (the trash slot takes the rest)."""
 import pytest
 import torch
 
+from kvcompose.ops import scatter_slots
+
 from kvcompose.ops.paged_attention.formats import to_head_major
-from kvcompose.ops.scatter_slots import copy_slots, fill_slots, gather_slots, gather_slots_torch, move_slots
+from kvcompose.ops.scatter_slots import (copy_slots, fill_slots, gather_slots, gather_slots_many, gather_slots_torch,
+                                        move_slots, move_slots_many, pack_slots)
 
 SLOTS, TRASH = 64, 63
 
@@ -117,6 +120,95 @@ def test_bad_input_is_named():
         copy_slots(flat, index, index[:, :2], torch.ones(2, 3, dtype=torch.bool), TRASH)
     with pytest.raises(ValueError, match="one value per slot"):
         fill_slots(torch.zeros(SLOTS, 4), index, torch.ones(2, 3, dtype=torch.bool), 0.0, TRASH)
+
+
+#: A pool as a pack moves it: payload of several layouts, then metadata channels with their empty values.
+POOL = [("head codes", None), ("head scales", None), ("bytes", None), ("valid", 0), ("pos", -1), ("mass", 0)]
+
+
+def pack_on_both(flats, source, target, mask, clear, backend="triton"):
+    """``pack_slots`` through the reference and ``backend`` on copies of ``flats``: the reference's results."""
+    want, got = [f.clone() for f in flats], [f.clone() for f in flats]
+    pack_slots(want, source, target, mask, TRASH, clear, backend="torch")
+    pack_slots(got, source, target, mask, TRASH, clear, backend=backend)
+    for w, x in zip(want, got):
+        assert torch.equal(w[:TRASH], x[:TRASH])
+    return want
+
+
+def test_pack_moves_every_tensor_in_one_launch_and_clears_sources(monkeypatch):
+    g = torch.Generator().manual_seed(41)
+    flats = [per_slot(kind, g) for kind, _ in POOL]
+    clear = [value for _, value in POOL]
+    source, target, mask = grid(g)
+    launches = []
+    run = type(scatter_slots._copy_kernel).run
+    monkeypatch.setattr(type(scatter_slots._copy_kernel), "run", lambda *a, **k: launches.append(1) or run(*a, **k))
+    want = pack_on_both(flats, source, target, mask, clear)
+    assert len(launches) == 1
+    for flat, after, value in zip(flats, want, clear):
+        assert torch.equal(after[target[mask]], flat[source[mask]])  # every tensor's masked entries moved
+        gone = after[source[mask]]
+        if value is None:
+            assert torch.equal(gone, flat[source[mask]])  # payload stays where it was read
+        else:
+            assert bool((gone == value).all())  # metadata of a moved-from slot is empty
+        untouched = torch.ones(SLOTS, dtype=torch.bool)
+        untouched[target[mask]] = untouched[source[mask]] = untouched[TRASH] = False
+        assert torch.equal(after[untouched], flat[untouched])
+
+
+def test_move_and_gather_many_take_one_launch_each(monkeypatch):
+    """A compaction of a whole pool: its payload and metadata (with their empty values) move in
+    two launches per group, the same as tensor by tensor through the reference."""
+    g = torch.Generator().manual_seed(45)
+    flats = [per_slot(kind, g) for kind, _ in POOL]
+    fill = [value or 0 for _, value in POOL]
+    source, target, mask = compaction(g)
+    launches = []
+    run = type(scatter_slots._copy_kernel).run
+    monkeypatch.setattr(type(scatter_slots._copy_kernel), "run", lambda *a, **k: launches.append(1) or run(*a, **k))
+    got = [f.clone() for f in flats]
+    move_slots_many(got, source, target, mask, TRASH, backend="triton", fill=fill)
+    assert len(launches) == 2
+    for flat, after, value in zip(flats, got, fill):
+        want = flat.clone()
+        move_slots(want, source, target, mask, TRASH, backend="torch", fill=value)
+        assert torch.equal(want[:TRASH], after[:TRASH])
+    index = torch.where(mask, source, -1)
+    gathered = gather_slots_many(flats, index, mask, backend="triton", fill=fill)
+    assert len(launches) == 3
+    for flat, out, value in zip(flats, gathered, fill):
+        assert torch.equal(out, gather_slots_torch(flat, index, mask, value))
+
+
+def test_pack_refuses_bad_clear_values():
+    g = torch.Generator().manual_seed(43)
+    source, target, mask = grid(g)
+    flats = [per_slot("pos", g), per_slot("mass", g)]
+    with pytest.raises(ValueError, match="one clear value"):
+        pack_slots(flats, source, target, mask, TRASH, [None])
+    with pytest.raises(ValueError, match="fill must be 0, or -1 for an integer tensor; got -1"):
+        pack_slots(flats, source, target, mask, TRASH, [-1, -1])
+    with pytest.raises(ValueError, match="one fill value per tensor; got 1 for 2"):
+        move_slots_many(flats, source, target, mask, TRASH, fill=[0])
+    with pytest.raises(ValueError, match="no per-slot tensors"):
+        gather_slots_many([], source, mask)
+
+
+@pytest.mark.gpu
+def test_many_tensor_moves_match_reference_on_gpu():
+    g = torch.Generator().manual_seed(47)
+    flats = [per_slot(kind, g).cuda() for kind, _ in POOL]
+    source, target, mask = (t.cuda() for t in grid(g))
+    pack_on_both(flats, source, target, mask, [value for _, value in POOL], backend=None)
+    frm, to, moving = (t.cuda() for t in compaction(g))
+    fill = [value or 0 for _, value in POOL]
+    want, got = [f.clone() for f in flats], [f.clone() for f in flats]
+    move_slots_many(want, frm, to, moving, TRASH, backend="torch", fill=fill)
+    move_slots_many(got, frm, to, moving, TRASH, fill=fill)
+    for w, x in zip(want, got):
+        assert torch.equal(w[:TRASH], x[:TRASH])
 
 
 @pytest.mark.gpu

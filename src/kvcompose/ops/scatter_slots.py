@@ -36,13 +36,15 @@ def _fill_kernel(flat_ptr, index_ptr, mask_ptr, value, n, BLOCK: tl.constexpr):
 
 
 @jit
-def _copy_kernel(src_ptr, dst_ptr, source_ptr, target_ptr, mask_ptr, n, src_head, src_slot, dst_head, dst_slot, fill,
-                 E: tl.constexpr, E_P: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
-                 SCATTER: tl.constexpr, EVERY: tl.constexpr):
-    """Row ``(head, source[i])`` of ``src`` to row ``(head, target[i])`` of ``dst`` where ``mask[i]``
-    (``program_id(1)``: the head; strides in words). ``GATHER``: the target of entry ``i`` is row ``i``,
-    and a masked-out entry writes ``fill`` words there; ``SCATTER``: the source of entry ``i`` is row
-    ``i``; ``EVERY``: every entry is taken (the mask is not read)."""
+def _copy_kernel(tensors, source_ptr, target_ptr, mask_ptr, n, SHAPES: tl.constexpr, BLOCK: tl.constexpr,
+                 GATHER: tl.constexpr, SCATTER: tl.constexpr, EVERY: tl.constexpr):
+    """For each tensor ``tensors[t] = (src, dst, heads, src_head, src_slot, dst_head, dst_slot, fill, clear)``
+    (strides in words) with ``SHAPES[t] = (E, E_P, CLEAR)``: row ``(head, source[i])`` of ``src`` to row
+    ``(head, target[i])`` of ``dst`` where ``mask[i]`` (``program_id(1)``: the head; a tensor with
+    fewer heads skips the others), then, with ``CLEAR``, the source row set to ``clear`` words (sources
+    and targets distinct). ``GATHER``: the target of entry ``i`` is row ``i``, and a masked-out entry
+    writes ``fill`` words there; ``SCATTER``: the source of entry ``i`` is row ``i``; ``EVERY``: every
+    entry is taken (the mask is not read). One launch moves all of a pool's tensors."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
     if EVERY:
@@ -53,18 +55,26 @@ def _copy_kernel(src_ptr, dst_ptr, source_ptr, target_ptr, mask_ptr, n, src_head
         source = i.to(tl.int64)
     else:
         source = tl.load(source_ptr + i, mask=take, other=0)
-    head = tl.program_id(1).to(tl.int64)
-    e = tl.arange(0, E_P)
-    cols = (e < E)[None, :]
-    words = tl.load(src_ptr + head * src_head + source[:, None] * src_slot + e[None, :], mask=take[:, None] & cols,
-                    other=fill)
     if GATHER:
         target = i.to(tl.int64)
-        at = inside[:, None] & cols
+        written = inside
     else:
         target = tl.load(target_ptr + i, mask=take, other=0)
-        at = take[:, None] & cols
-    tl.store(dst_ptr + head * dst_head + target[:, None] * dst_slot + e[None, :], words, mask=at)
+        written = take
+    head = tl.program_id(1)
+    for t in tl.static_range(len(SHAPES)):
+        rows = tensors[t]
+        if head < rows[2]:
+            e = tl.arange(0, SHAPES[t][1])
+            cols = (e < SHAPES[t][0])[None, :]
+            h = head.to(tl.int64)
+            src_at = rows[0] + h * rows[3] + source[:, None] * rows[4] + e[None, :]
+            words = tl.load(src_at, mask=take[:, None] & cols, other=rows[7])
+            tl.store(rows[1] + h * rows[5] + target[:, None] * rows[6] + e[None, :], words, mask=written[:, None] & cols)
+            if SHAPES[t][2]:
+                tl.debug_barrier()  # every source word is read before any is cleared
+                cleared = (tl.zeros_like(words).to(tl.int32) + rows[8]).to(words.dtype)
+                tl.store(src_at, cleared, mask=take[:, None] & cols)
 
 
 def per_head_rows(t: torch.Tensor) -> bool:
@@ -116,7 +126,32 @@ def copy_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, m
         copy_slots_torch(flat, source, target, mask, trash)
         return
     rows = _Rows(flat)
-    _launch_copy(rows, rows, source, target, mask)
+    _launch_copy([(rows, rows)], source, target, mask)
+
+
+def pack_slots(flats: list[torch.Tensor], source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
+               trash: int, clear: list[int | None], backend: str | None = None) -> None:
+    """:func:`copy_slots` for several per-slot tensors of one pool in one launch (a pack moves every
+    tensor of its tokens), then ``clear[k]`` written to the moved-from slots of ``flats[k]`` where it
+    is not None (0, or -1 for an integer tensor: a metadata channel's empty value). Sources are
+    distinct and no slot is both a source and a target. Other arguments as :func:`fill_slots`."""
+    for flat, value in zip(flats, _fills(flats, clear, "clear")):
+        _check(flat, mask, source, target)
+        _check_fill(flat, value)
+    if not step_kernel_runs(mask, _copy_kernel, backend):
+        pack_slots_torch(flats, source, target, mask, trash, clear)
+        return
+    pairs = [(rows, rows) for rows in map(_Rows, flats)]
+    _launch_copy(pairs, source, target, mask, clear=clear)
+
+
+def pack_slots_torch(flats: list[torch.Tensor], source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
+                     trash: int, clear: list[int | None]) -> None:
+    """Reference of :func:`pack_slots`."""
+    for flat, value in zip(flats, clear):
+        copy_slots_torch(flat, source, target, mask, trash)
+        if value is not None:
+            fill_slots_torch(flat, source, mask, value, trash)
 
 
 def move_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, trash: int,
@@ -125,14 +160,24 @@ def move_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, m
     source is read, into scratch of the moved rows, before any target is written. ``fill``
     (0, or -1 for an integer tensor): every target is written, a masked-out entry's with ``fill``
     (a compaction's metadata: the slots past a row's kept tokens become empty)."""
-    _check(flat, mask, source, target)
-    _check_fill(flat, fill)
+    move_slots_many([flat], source, target, mask, trash, backend, None if fill is None else [fill])
+
+
+def move_slots_many(flats: list[torch.Tensor], source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
+                    trash: int, backend: str | None = None, fill: list[int] | None = None) -> None:
+    """:func:`move_slots` for several per-slot tensors of one pool in two launches (a gather of
+    every tensor's moved rows, then their scatter); ``fill``: one value per tensor, or None."""
+    fills = _fills(flats, fill)
+    for flat, value in zip(flats, fills):
+        _check(flat, mask, source, target)
+        _check_fill(flat, value)
     if not step_kernel_runs(mask, _copy_kernel, backend):
-        copy_slots_torch(flat, source, target, mask, trash, fill)
+        for flat, value in zip(flats, fills):
+            copy_slots_torch(flat, source, target, mask, trash, value)
         return
-    moved = gather_slots(flat, source, mask, backend, fill=fill or 0)
-    _launch_copy(_Rows(moved.view(-1, *flat.shape[1:]), like=flat), _Rows(flat), target, target, mask, scatter=True,
-                 every=fill is not None)
+    moved = gather_slots_many(flats, source, mask, backend, [value or 0 for value in fills])
+    pairs = [(_Rows(m.view(-1, *flat.shape[1:]), like=flat), _Rows(flat)) for m, flat in zip(moved, flats)]
+    _launch_copy(pairs, target, target, mask, scatter=True, every=fill is not None)
 
 
 def gather_slots(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
@@ -140,14 +185,33 @@ def gather_slots(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
     """``flat[index]`` where ``mask``, ``fill`` elsewhere (0, or -1 for an integer tensor):
     ``[*mask.shape, *flat.shape[1:]]``, contiguous (``index`` may be anything where ``mask`` is
     False). Arguments as :func:`fill_slots`."""
-    _check(flat, mask, index)
-    _check_fill(flat, fill)
+    return gather_slots_many([flat], index, mask, backend, [fill])[0]
+
+
+def gather_slots_many(flats: list[torch.Tensor], index: torch.Tensor, mask: torch.Tensor,
+                      backend: str | None = None, fill: list[int] | None = None) -> list[torch.Tensor]:
+    """:func:`gather_slots` for several per-slot tensors of one pool in one launch (``fill``: one
+    value per tensor; None: zeros)."""
+    fills = [value or 0 for value in _fills(flats, fill)]
+    for flat, value in zip(flats, fills):
+        _check(flat, mask, index)
+        _check_fill(flat, value)
     if not step_kernel_runs(mask, _copy_kernel, backend):
-        return gather_slots_torch(flat, index, mask, fill)
-    out = torch.empty(*mask.shape, *flat.shape[1:], dtype=flat.dtype, device=flat.device)
-    _launch_copy(_Rows(flat), _Rows(out.view(-1, *flat.shape[1:]), like=flat), index, index, mask, gather=True,
-                 fill=fill)
-    return out
+        return [gather_slots_torch(flat, index, mask, value) for flat, value in zip(flats, fills)]
+    outs = [torch.empty(*mask.shape, *flat.shape[1:], dtype=flat.dtype, device=flat.device) for flat in flats]
+    pairs = [(_Rows(flat), _Rows(out.view(-1, *flat.shape[1:]), like=flat)) for flat, out in zip(flats, outs)]
+    _launch_copy(pairs, index, index, mask, gather=True, fill=fills)
+    return outs
+
+
+def _fills(flats: list[torch.Tensor], fill: list | None, what: str = "fill") -> list:
+    """One ``what`` value (or None) per tensor, checked against their count."""
+    if not flats:
+        raise ValueError("no per-slot tensors given")
+    fills = [None] * len(flats) if fill is None else list(fill)
+    if len(fills) != len(flats):
+        raise ValueError(f"one {what} value per tensor; got {len(fills)} for {len(flats)} tensors")
+    return fills
 
 
 def gather_slots_torch(flat: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, fill: int = 0) -> torch.Tensor:
@@ -183,16 +247,23 @@ class _Rows:
         self.head, self.slot = self.words.stride(0), self.words.stride(1)
 
 
-def _launch_copy(src: _Rows, dst: _Rows, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
-                 gather: bool = False, scatter: bool = False, every: bool = False, fill: int = 0) -> None:
-    """The copy kernel over ``mask``'s entries (``gather``: dense targets, ``scatter``: dense sources; the
-    index tensor of a dense side is not read; ``every``: all entries, the mask is not read)."""
-    E_P = next_pow2(src.E)
-    block = max(1, ELEMENTS // E_P)
+def _launch_copy(pairs: list[tuple[_Rows, _Rows]], source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
+                 gather: bool = False, scatter: bool = False, every: bool = False, fill: list[int] | None = None,
+                 clear: list[int | None] | None = None) -> None:
+    """The copy kernel over ``mask``'s entries for every (source rows, target rows) pair, in one launch
+    (``gather``: dense targets, ``scatter``: dense sources; the index tensor of a dense side is not
+    read; ``every``: all entries, the mask is not read; ``fill``: per pair, what a gather writes for
+    a masked-out entry; ``clear``: per pair, the value its moved-from rows take, or None)."""
+    fill = fill or [0] * len(pairs)
+    clear = clear or [None] * len(pairs)
+    tensors = tuple((src.words, dst.words, src.heads, src.head, src.slot, dst.head, dst.slot, value, emptied or 0)
+                    for (src, dst), value, emptied in zip(pairs, fill, clear))
+    shapes = tuple((src.E, next_pow2(src.E), emptied is not None) for (src, _), emptied in zip(pairs, clear))
+    block = max(1, ELEMENTS // max(E_P for _, E_P, _ in shapes))
     n = mask.numel()
-    _copy_kernel[(triton_blocks(n, block), src.heads)](
-        src.words, dst.words, source.contiguous(), target.contiguous(), mask.contiguous(), n, src.head, src.slot,
-        dst.head, dst.slot, fill, E=src.E, E_P=E_P, BLOCK=block, GATHER=gather, SCATTER=scatter, EVERY=every)
+    _copy_kernel[(triton_blocks(n, block), max(src.heads for src, _ in pairs))](
+        tensors, source.contiguous(), target.contiguous(), mask.contiguous(), n, SHAPES=shapes, BLOCK=block,
+        GATHER=gather, SCATTER=scatter, EVERY=every)
 
 
 def copy_slots_torch(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,

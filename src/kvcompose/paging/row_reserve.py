@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..ops.pack_blocks import pack_plan, push_to_stacks, release_blocks
-from ..ops.scatter_slots import copy_slots, fill_slots
+from ..ops.scatter_slots import pack_slots
 from .pool import empty_value
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def pack_holes(region: Region, max_holes: int) -> None:
     last move into the earliest holes, so the row's live tokens fill its first slots (the eager
     :meth:`Region.pack_holes`: the k-th token past the live count goes to the k-th hole), with
     fixed shapes (the plan in one launch, :func:`~kvcompose.ops.pack_blocks.pack_plan`; the
-    moves by :func:`~kvcompose.ops.scatter_slots.copy_slots`); then every block without a live
+    moves by :func:`~kvcompose.ops.scatter_slots.pack_slots`); then every block without a live
     token goes back (:func:`release_empty_blocks`). Blocks that were empty before count as given
     back already (the eager pager releases them first), so one release does both."""
     pool, table = region.pool, region.table
@@ -77,9 +77,8 @@ def pack_holes(region: Region, max_holes: int) -> None:
     trash = pool.trash_slot
     phys, target, moving = pack_plan(table, region.length, pool.flat_slots(pool.meta)["valid"], pool.block_size,
                                      trash, max_holes)
-    for tensors in (pool.slots, pool.meta):
-        for flat in pool.flat_slots(tensors).values():
-            copy_slots(flat, phys, target, moving, trash)
-    for name, flat in pool.flat_slots(pool.meta).items():
-        fill_slots(flat, phys, moving, empty_value(name), trash)
+    meta = pool.flat_slots(pool.meta)
+    flats = [*pool.flat_slots(pool.slots).values(), *meta.values()]
+    clear = [None] * len(pool.slots) + [empty_value(name) for name in meta]
+    pack_slots(flats, phys, target, moving, trash, clear)  # one launch: every tensor moves, the sources empty
     release_empty_blocks(region)

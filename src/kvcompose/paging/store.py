@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.scatter_slots import gather_slots
+from ..ops.scatter_slots import gather_slots_many
 from .codec import DenseCodec, SlotCodec
 from .pool import BlockPool, decoded_slots, empty_value
 from .region import Region
@@ -280,7 +280,8 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             phys = torch.where(inside, slot.reshape(B, -1), -1)
             # per slot, as whole rows (ops.scatter_slots): indexing a head-major pool by block moves an element a thread
             flat = pool.flat_slots(pool.slots, wanted)
-            slots = {n: gather_slots(t, phys, inside).view(B * W, bs, *t.shape[1:]) for n, t in flat.items()}
+            gathered = gather_slots_many(list(flat.values()), phys, inside) if flat else []  # one launch
+            slots = {n: g.view(B * W, bs, *t.shape[1:]) for g, (n, t) in zip(gathered, flat.items())}
             groups = {n: t[ids] for n, t in pool.blocks.items() if n in wanted}
             rows = torch.arange(B, device=self.device).repeat_interleave(W) if keys else None
             scales = {n: t[rows] for n, t in self.row_scales[pool.codec.name].items()} if keys else {}
@@ -344,7 +345,8 @@ class LayerStore(StoreStatic, StoreSources, StoreMemory, StoreChecks):
             at = torch.where(here, phys, 0)  # every asked column decoded: shapes do not depend on which
             names = pool.codec.key_tensors(sorted(set(pool.slots) | set(pool.blocks)))
             flat = pool.flat_slots(pool.slots, names)
-            slots = {n: gather_slots(t, at, here).view(S * N, 1, *t.shape[1:]) for n, t in flat.items()}
+            gathered = gather_slots_many(list(flat.values()), at, here) if flat else []  # one launch
+            slots = {n: g.view(S * N, 1, *t.shape[1:]) for g, (n, t) in zip(gathered, flat.items())}
             groups = {n: t[at.reshape(-1)][:, None] for n, t in pool.flat_groups().items() if n in names}
             scales = {n: t[rows_flat] for n, t in self.row_scales[pool.codec.name].items()}
             k = pool.codec.decode_keys(slots, groups, scales, self.dtype).reshape(S, N, H, D).to(self.dtype)
