@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..device_constants import device_constant
 from ..ops.append_token import append_token
 from ..ops.compact_rows import compact_rows_
 from ..ops.evict_one import evict_one_in_place
-from ..ops.scatter_slots import move_slots
+from ..ops.scatter_slots import move_slots_many
 from .pool import decoded_slots, empty_value
 from .row_reserve import RowReserve, pack_holes, release_empty_blocks
 
@@ -96,12 +97,10 @@ class StoreStatic:
         full = self.buf_len == self.buf_k.shape[1]
         self._encode_oldest_group(full)
         G, cap = self.group_size, self.buf_k.shape[1]
-        for t, fill in self._buffer_tensors():
-            at = full.view(-1, *[1] * (t.dim() - 1))
-            if cap == G:  # no residual: the whole buffer leaves
-                t.masked_fill_(at, fill)
-            else:
-                t.copy_(torch.where(at, torch.cat([t[:, G:], torch.full_like(t[:, :G], fill)], dim=1), t))
+        oldest = device_constant(tuple(range(cap)), self.device) < G
+        leaving = full[:, None] & oldest[None, :]
+        for t, fill in self._buffer_tensors():  # one launch per tensor: the full rows shift left by G
+            compact_rows_(t, ~leaving, fill)
         self.buf_len -= full * G
 
     def _encode_oldest_group(self, full: torch.Tensor) -> None:
@@ -272,11 +271,11 @@ class StoreStatic:
         live = torch.arange(width, device=self.device)[None, :] < count[:, None]
         # the payload of the kept tokens that change slots (a row's tokens before its first eviction
         # stay); the slots past a row's kept tokens are empty now, whatever their payload
-        for flat in pool.flat_slots(pool.slots).values():
-            move_slots(flat, source, phys, live & (source != phys), pool.trash_slot)
+        move_slots_many(list(pool.flat_slots(pool.slots).values()), source, phys, live & (source != phys),
+                        pool.trash_slot)
         # every slot of the row's columns is written: its kept token's metadata, or empty past them
-        for name, flat in pool.flat_slots(pool.meta).items():
-            move_slots(flat, source, phys, live, pool.trash_slot, fill=empty_value(name))
+        meta = pool.flat_slots(pool.meta)
+        move_slots_many(list(meta.values()), source, phys, live, pool.trash_slot, fill=[empty_value(n) for n in meta])
         region.length.copy_(count)
         region.num_blocks.copy_((count + bs - 1) // bs)
 
