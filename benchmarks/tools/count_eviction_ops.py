@@ -5,10 +5,13 @@ CUDA graph), not its bytes, so the count per call site says what to cut. This to
 without graphs and, inside every layer's scheduled ``compress``, counts each torch operator that
 computes (views, allocations and conversions that do not launch are left out) and each Triton
 launch, at the innermost line of kvcompose that issued it. Counts are per layer and eviction step.
+The buffer flushes of static decode (a full group of the recent buffer encoded into the pools,
+which an eviction step also runs) are counted the same way, per layer and flush.
 
-With ``--smoke`` it runs a tiny model on the CPU with the Triton kernels interpreted, and the
-per-step ops take their kernels inside the counted compressions, as they do on a GPU (on CPU
-they would pick their torch references), so the count follows the GPU's code path. A GPU runs
+With ``--smoke`` it runs a tiny model on the CPU with the Triton kernels interpreted, the
+per-step ops take their kernels inside the counted calls, as they do on a GPU (on CPU they
+would pick their torch references), and the pools keep no decoded copy (on CPU they would), so
+the count follows the GPU's code path. A GPU runs
 some operators (sorts, scans) as several launches; ``profile_eviction_step.py`` counts the GPU's
 kernels themselves.
 
@@ -66,13 +69,14 @@ def call_site() -> str:
 
 class OpTally(TorchDispatchMode):
     """Operators and Triton launches by call site while ``counting``; a launch's own operators
-    (the interpreter's copies) are not counted."""
+    (the interpreter's copies) are not counted. ``calls``: the counted calls (a layer's compression
+    or flush each)."""
 
     def __init__(self):
         super().__init__()
         self.sites, self.ops = Counter(), Counter()
         self.counting = False
-        self.compressions = 0
+        self.calls = 0
 
     def note(self, name: str) -> None:
         self.sites[call_site()] += 1
@@ -84,42 +88,61 @@ class OpTally(TorchDispatchMode):
             self.note(name)
         return func(*args, **(kwargs or {}))
 
+    def run(self, fn, *args):
+        """``fn(*args)``, counted (as one call)."""
+        self.calls += 1
+        self.counting = True
+        try:
+            with self:
+                return fn(*args)
+        finally:
+            self.counting = False
+
 
 @contextmanager
-def counting(tally: OpTally, force_kernels: bool):
-    """Count inside every scheduled ``compress`` while the block runs (``force_kernels``: the
-    per-step ops take their Triton kernels on CPU tensors, interpreted)."""
+def counting(tally: OpTally, flushes: OpTally, force_kernels: bool):
+    """Count inside every scheduled ``compress`` (into ``tally``) and every buffer flush of static
+    decode (into ``flushes``) while the block runs (``force_kernels``: the per-step ops take their
+    Triton kernels on CPU tensors, interpreted)."""
     from kvcompose.ops import dispatch
+    from kvcompose.paging.store import LayerStore
+    from kvcompose.paging.store_static import StoreStatic
 
-    compress = compression.compress
+    compress, flush, make_store = compression.compress, StoreStatic._flush_full_rows, LayerStore.__init__
     launches = {}
     patched_dispatch = []
 
     def compress_counted(layer, view=None, scheduled=False):
-        if not scheduled:
-            return compress(layer, view, scheduled)
-        tally.compressions += 1
-        tally.counting = True
-        try:
-            with tally:
-                return compress(layer, view, scheduled)
-        finally:
-            tally.counting = False
+        return tally.run(compress, layer, view, scheduled) if scheduled else compress(layer, view, scheduled)
+
+    def flush_counted(store):
+        return flushes.run(flush, store)
+
+    def store_as_on_gpu(store, *args, decoded_copy=None, **kwargs):
+        # on the CPU, pools of quantized formats keep a decoded copy (scratch of the torch decode
+        # attention) that every flush writes; a GPU's pools do not
+        make_store(store, *args, decoded_copy=False, **kwargs)
+
+    def counting_now():
+        return next((t for t in (tally, flushes) if t.counting), None)
 
     def launch_counted(run):
         def launch(kernel, *args, **kwargs):
-            counting_now = tally.counting
-            if counting_now:
-                tally.note(f"triton {getattr(kernel, '__name__', type(kernel).__name__)}")
-            tally.counting = False  # the interpreter's own tensor work is not the step's
+            counter = counting_now()
+            if counter is not None:
+                counter.note(f"triton {getattr(kernel, '__name__', type(kernel).__name__)}")
+                counter.counting = False  # the interpreter's own tensor work is not the step's
             try:
                 return run(kernel, *args, **kwargs)
             finally:
-                tally.counting = counting_now
+                if counter is not None:
+                    counter.counting = True
         return launch
 
-    def kernels_run(x, kernel, backend, fits=True):  # in the counted steps only: the CPU decodes on torch
-        return backend != "torch" and fits if tally.counting else dispatch.step_kernel_runs(x, kernel, backend, fits)
+    def kernels_run(x, kernel, backend, fits=True):  # in the counted calls only: the CPU decodes on torch
+        if counting_now() is not None:
+            return backend != "torch" and fits
+        return dispatch.step_kernel_runs(x, kernel, backend, fits)
 
     from kvcompose.ops import compact_rows, scatter_slots  # their kernels: the kernel classes to count launches of
 
@@ -129,37 +152,58 @@ def counting(tally: OpTally, force_kernels: bool):
             launches[cls] = cls.run
             cls.run = launch_counted(cls.run)
     if force_kernels:
+        LayerStore.__init__ = store_as_on_gpu
         for name in STEP_OPS:
             module = importlib.import_module(f"kvcompose.ops.{name}")
             if getattr(module, "step_kernel_runs", None) is dispatch.step_kernel_runs:
                 patched_dispatch.append(module)
                 module.step_kernel_runs = kernels_run
     layer_runtime.compress = compress_counted
+    StoreStatic._flush_full_rows = flush_counted
     try:
         yield
     finally:
         layer_runtime.compress = compress
+        StoreStatic._flush_full_rows = flush
+        LayerStore.__init__ = make_store
         for cls, run in launches.items():
             cls.run = run
         for module in patched_dispatch:
             module.step_kernel_runs = dispatch.step_kernel_runs
 
 
+def per_call(tally: OpTally, top: int) -> dict:
+    """What ``tally`` counted, per counted call: in all, by call site and by operator."""
+    per = max(tally.calls, 1)
+    return {"per_call": sum(tally.sites.values()) / per,
+            "sites": [(s, n / per) for s, n in tally.sites.most_common(top)],
+            "ops": [(o, n / per) for o, n in tally.ops.most_common(top)]}
+
+
 def count_policy(model, name: str, args) -> dict:
-    """One policy: operators and launches per layer and eviction step, by call site and by operator."""
+    """One policy: operators and launches per layer and eviction step, and per layer and buffer flush,
+    by call site and by operator."""
     device = "cpu" if args.smoke else "cuda"
     policy = make_policy(name, args.budget, args.smoke)
     ids, mask = random_prompts(model.config.vocab_size, args.batch, args.prompt, device)
     if not args.smoke:
         fast_generate(model, policy.make_cache(model), ids, mask, 8, graphs=False)  # compile every kernel first
-    tally = OpTally()
-    with counting(tally, force_kernels=args.smoke):
+    tally, flushes = OpTally(), OpTally()
+    with counting(tally, flushes, force_kernels=args.smoke):
         fast_generate(model, policy.make_cache(model), ids, mask, args.new_tokens, graphs=False)
-    steps = tally.compressions / model.config.num_hidden_layers  # every layer compresses once per eviction step
-    per = max(tally.compressions, 1)
-    return {"policy": name, "eviction_steps": steps, "per_layer_step": sum(tally.sites.values()) / per,
-            "sites": [(s, n / per) for s, n in tally.sites.most_common(args.top)],
-            "ops": [(o, n / per) for o, n in tally.ops.most_common(args.top)]}
+    layers = model.config.num_hidden_layers  # every layer compresses (and flushes) once per step that does
+    return {"policy": name, "eviction_steps": tally.calls / layers, "evictions": per_call(tally, args.top),
+            "flushes": flushes.calls / layers, "flush": per_call(flushes, args.top)}
+
+
+def report(record: dict, what: str, counted: str, step: str, steps: str) -> None:
+    print(f"{record['policy']}: {record[counted]:.0f} {steps}, {record[what]['per_call']:.1f} operators and "
+          f"launches per layer and {step}", flush=True)
+    for site, n in record[what]["sites"]:
+        print(f"  {n:7.1f}  {site}")
+    print("  by operator:")
+    for op, n in record[what]["ops"]:
+        print(f"  {n:7.1f}  {op}")
 
 
 def main(argv=None) -> int:
@@ -167,13 +211,8 @@ def main(argv=None) -> int:
                                            "tiny model on the CPU, kernels interpreted"), argv)
     for name in [p for p in args.policies.split(",") if p]:
         record = count_policy(model, name, args)
-        print(f"{name}: {record['eviction_steps']:.0f} eviction steps, {record['per_layer_step']:.1f} operators and "
-              "launches per layer and eviction step", flush=True)
-        for site, n in record["sites"]:
-            print(f"  {n:7.1f}  {site}")
-        print("  by operator:")
-        for op, n in record["ops"]:
-            print(f"  {n:7.1f}  {op}")
+        report(record, "evictions", "eviction_steps", "eviction step", "eviction steps")
+        report(record, "flush", "flushes", "buffer flush", "buffer flushes")
     return 0
 
 

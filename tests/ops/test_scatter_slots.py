@@ -8,7 +8,7 @@ from kvcompose.ops import scatter_slots
 
 from kvcompose.ops.paged_attention.formats import to_head_major
 from kvcompose.ops.scatter_slots import (copy_slots, fill_slots, gather_slots, gather_slots_many, gather_slots_torch,
-                                        move_slots, move_slots_many, pack_slots)
+                                        move_slots, move_slots_many, pack_slots, write_slots)
 
 SLOTS, TRASH = 64, 63
 
@@ -182,6 +182,38 @@ def test_move_and_gather_many_take_one_launch_each(monkeypatch):
         assert torch.equal(out, gather_slots_torch(flat, index, mask, value))
 
 
+def test_write_puts_every_tensor_of_new_tokens_in_one_launch(monkeypatch):
+    """An append of encoded tokens: each tensor's rows land at their slots (the trash slot takes repeats)."""
+    g = torch.Generator().manual_seed(49)
+    flats = [per_slot(kind, g) for kind, _ in POOL]
+    index = torch.cat([torch.randperm(TRASH, generator=g)[:9], torch.full((3,), TRASH)])
+    rows = [per_slot(kind, g)[:index.numel()].contiguous() for kind, _ in POOL]
+    launches = []
+    run = type(scatter_slots._copy_kernel).run
+    monkeypatch.setattr(type(scatter_slots._copy_kernel), "run", lambda *a, **k: launches.append(1) or run(*a, **k))
+    want, got = [f.clone() for f in flats], [f.clone() for f in flats]
+    write_slots(want, rows, index, backend="torch")
+    write_slots(got, rows, index, backend="triton")
+    assert len(launches) == 1
+    for flat, w, x, row in zip(flats, want, got, rows):
+        assert torch.equal(w[:TRASH], x[:TRASH])
+        assert torch.equal(w[index[:9]], row[:9])
+        untouched = torch.ones(SLOTS, dtype=torch.bool)
+        untouched[index] = False
+        assert torch.equal(w[untouched], flat[untouched])
+
+
+def test_write_refuses_rows_that_do_not_match():
+    g = torch.Generator().manual_seed(51)
+    flat, index = per_slot("pos", g), torch.arange(4)
+    with pytest.raises(ValueError, match=r"rows to write must be torch.int64 of shape \(4,\); got torch.int32"):
+        write_slots([flat], [torch.zeros(4, dtype=torch.int32)], index)
+    with pytest.raises(ValueError, match="1-d int64"):
+        write_slots([flat], [torch.zeros(4, dtype=torch.long)], index.int())
+    with pytest.raises(ValueError, match="one tensor of rows per per-slot tensor; got 2 for 1"):
+        write_slots([flat], [flat[:4], flat[:4]], index)
+
+
 def test_pack_refuses_bad_clear_values():
     g = torch.Generator().manual_seed(43)
     source, target, mask = grid(g)
@@ -207,6 +239,12 @@ def test_many_tensor_moves_match_reference_on_gpu():
     want, got = [f.clone() for f in flats], [f.clone() for f in flats]
     move_slots_many(want, frm, to, moving, TRASH, backend="torch", fill=fill)
     move_slots_many(got, frm, to, moving, TRASH, fill=fill)
+    for w, x in zip(want, got):
+        assert torch.equal(w[:TRASH], x[:TRASH])
+    index = torch.randperm(TRASH, generator=g)[:9].cuda()
+    rows = [per_slot(kind, g)[:9].contiguous().cuda() for kind, _ in POOL]
+    write_slots(want, rows, index, backend="torch")
+    write_slots(got, rows, index)
     for w, x in zip(want, got):
         assert torch.equal(w[:TRASH], x[:TRASH])
 

@@ -87,6 +87,10 @@ def _check(flat: torch.Tensor, mask: torch.Tensor, *indexes: torch.Tensor) -> No
     if mask.dtype != torch.bool or any(t.dtype != torch.long or t.shape != mask.shape for t in indexes):
         raise ValueError(f"slot indexes must be int64 with the mask's shape {tuple(mask.shape)} and the mask bool; "
                          f"got {[(t.dtype, tuple(t.shape)) for t in indexes]} and {mask.dtype}")
+    _check_layout(flat)
+
+
+def _check_layout(flat: torch.Tensor) -> None:
     if not flat.is_contiguous() and not per_head_rows(flat):
         head_major = flat.transpose(0, 1).contiguous().transpose(0, 1).stride() if flat.dim() >= 2 else None
         raise ValueError(f"the per-slot tensor must be contiguous or head-major (a pool's flat view); got shape "
@@ -152,6 +156,29 @@ def pack_slots_torch(flats: list[torch.Tensor], source: torch.Tensor, target: to
         copy_slots_torch(flat, source, target, mask, trash)
         if value is not None:
             fill_slots_torch(flat, source, mask, value, trash)
+
+
+def write_slots(flats: list[torch.Tensor], rows: list[torch.Tensor], index: torch.Tensor,
+                backend: str | None = None) -> None:
+    """``flats[k][index] = rows[k]`` for several per-slot tensors of one pool in one launch (a write
+    of encoded tokens: their codes, scales and metadata). ``index`` ``[M]`` int64 slots (repeats only
+    where the content does not matter: the trash slot); ``rows[k]`` ``[M, *flats[k].shape[1:]]`` of
+    ``flats[k]``'s dtype. ``backend`` as the other per-step ops."""
+    if index.dtype != torch.long or index.dim() != 1:
+        raise ValueError(f"slot indexes must be a 1-d int64 tensor; got {index.dtype} of shape {tuple(index.shape)}")
+    if len(rows) != len(flats) or not flats:
+        raise ValueError(f"one tensor of rows per per-slot tensor; got {len(rows)} for {len(flats)}")
+    for flat, row in zip(flats, rows):
+        _check_layout(flat)
+        if row.dtype != flat.dtype or row.shape != (index.numel(), *flat.shape[1:]):
+            raise ValueError(f"rows to write must be {flat.dtype} of shape {(index.numel(), *flat.shape[1:])}; "
+                             f"got {row.dtype} of shape {tuple(row.shape)}")
+    if not step_kernel_runs(index, _copy_kernel, backend):
+        for flat, row in zip(flats, rows):
+            flat[index] = row
+        return
+    pairs = [(_Rows(row.contiguous(), like=flat), _Rows(flat)) for flat, row in zip(flats, rows)]
+    _launch_copy(pairs, index, index, index, scatter=True, every=True)  # every entry: the mask is not read
 
 
 def move_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, trash: int,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.paged_attention import decode_operand_torch
+from ..ops.scatter_slots import write_slots
 from .codec import SlotCodec
 
 #: Per-slot tensors of a pool's decoded copy (keys, values ``[H, D]`` per slot in the model's dtype).
@@ -135,10 +136,9 @@ class BlockPool:
         """Store ``M`` encoded tokens at pool slots ``slot`` ``[M]``: their per-slot tensors and
         metadata (``[M, ...]``), and their per-group tensors (``[M / group_tokens, ...]``) at
         the groups whose first slots they fill."""
-        for name, flat in self.flat_slots(self.slots).items():
-            flat[slot] = slots[name]
-        for name, flat in self.flat_slots(self.meta).items():
-            flat[slot] = meta[name]
+        flats = [*self.flat_slots(self.slots).items(), *self.flat_slots(self.meta).items()]
+        rows = [(slots if i < len(self.slots) else meta)[n].to(f.dtype) for i, (n, f) in enumerate(flats)]
+        write_slots([f for _, f in flats], rows, slot)  # every tensor in one launch
         if groups:
             g = self.codec.group_tokens
             first = slot[::g] // g  # group index = first slot of the group / group size
