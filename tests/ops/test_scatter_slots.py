@@ -175,9 +175,16 @@ def test_move_and_gather_many_take_one_launch_each(monkeypatch):
         want = flat.clone()
         move_slots(want, source, target, mask, TRASH, backend="torch", fill=value)
         assert torch.equal(want[:TRASH], after[:TRASH])
+    payload = [f.clone() for f, (_, value) in zip(flats, POOL) if value is None]
+    want = [f.clone() for f in payload]
+    move_slots_many(payload, source, target, mask, TRASH, backend="triton")  # a compaction's payload: no fill
+    assert len(launches) == 4
+    for w, x in zip(want, payload):
+        move_slots(w, source, target, mask, TRASH, backend="torch")
+        assert torch.equal(w[:TRASH], x[:TRASH])
     index = torch.where(mask, source, -1)
     gathered = gather_slots_many(flats, index, mask, backend="triton", fill=fill)
-    assert len(launches) == 3
+    assert len(launches) == 5
     for flat, out, value in zip(flats, gathered, fill):
         assert torch.equal(out, gather_slots_torch(flat, index, mask, value))
 
@@ -224,6 +231,8 @@ def test_pack_refuses_bad_clear_values():
         pack_slots(flats, source, target, mask, TRASH, [-1, -1])
     with pytest.raises(ValueError, match="one fill value per tensor; got 1 for 2"):
         move_slots_many(flats, source, target, mask, TRASH, fill=[0])
+    with pytest.raises(ValueError, match=r"per tensor, or None; got \[-1, None\]"):
+        move_slots_many(flats, source, target, mask, TRASH, fill=[-1, None])
     with pytest.raises(ValueError, match="no per-slot tensors"):
         gather_slots_many([], source, mask)
 

@@ -195,6 +195,8 @@ def move_slots_many(flats: list[torch.Tensor], source: torch.Tensor, target: tor
     """:func:`move_slots` for several per-slot tensors of one pool in two launches (a gather of
     every tensor's moved rows, then their scatter); ``fill``: one value per tensor, or None."""
     fills = _fills(flats, fill)
+    if fill is not None and None in fills:  # every target is written for all tensors, or for none
+        raise ValueError(f"fill: one value (0, or -1 for an integer tensor) per tensor, or None; got {fills}")
     for flat, value in zip(flats, fills):
         _check(flat, mask, source, target)
         _check_fill(flat, value)

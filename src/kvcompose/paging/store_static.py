@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..device_constants import device_constant
 from ..ops.append_token import append_token
 from ..ops.compact_rows import compact_rows_
 from ..ops.evict_one import evict_one_in_place
@@ -61,6 +60,8 @@ class StoreStatic:
         # each row's next column (equal across rows): the append kernel advances them itself
         self.column = torch.full((self.batch_size,), self.columns_seen, dtype=torch.long, device=self.device)
         self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)
+        # the buffer columns a flush moves out: its oldest group (made here, never inside a captured step)
+        self.oldest_group = torch.arange(self.buffer_capacity, device=self.device) < self.group_size
         self.static = True
         self.columns_limit = columns_limit
         # pools in which some row has not fixed its scales yet (one host read): only their
@@ -96,12 +97,10 @@ class StoreStatic:
         blocks and shift the rest to the front (what :meth:`append` does, with fixed shapes)."""
         full = self.buf_len == self.buf_k.shape[1]
         self._encode_oldest_group(full)
-        G, cap = self.group_size, self.buf_k.shape[1]
-        oldest = device_constant(tuple(range(cap)), self.device) < G
-        leaving = full[:, None] & oldest[None, :]
+        leaving = full[:, None] & self.oldest_group[None, :]
         for t, fill in self._buffer_tensors():  # one launch per tensor: the full rows shift left by G
             compact_rows_(t, ~leaving, fill)
-        self.buf_len -= full * G
+        self.buf_len -= full * self.group_size
 
     def _encode_oldest_group(self, full: torch.Tensor) -> None:
         """Encode the buffer's oldest group in every row, once per pool for all rows and
