@@ -125,12 +125,7 @@ def copy_slots(flat: torch.Tensor, source: torch.Tensor, target: torch.Tensor, m
     """``flat[target[mask]] = flat[source[mask]]`` for a per-slot tensor ``[S, ...]`` of a pool;
     no slot may be both a source and a target (:func:`move_slots` allows it). Arguments as
     :func:`fill_slots`."""
-    _check(flat, mask, source, target)
-    if not step_kernel_runs(mask, _copy_kernel, backend):
-        copy_slots_torch(flat, source, target, mask, trash)
-        return
-    rows = _Rows(flat)
-    _launch_copy([(rows, rows)], source, target, mask)
+    pack_slots([flat], source, target, mask, trash, [None], backend)
 
 
 def pack_slots(flats: list[torch.Tensor], source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
