@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .numerics import max_nan_tl
+from .numerics import max_keep_nan_tl
 from .triton_shim import jit, tl
 
 
@@ -159,7 +159,7 @@ def set_flag_tl(flag_ptr, bits):
 def amax_tl(x, axis: tl.constexpr, KEEP: tl.constexpr):
     """``max |x|`` along ``axis``; NaN propagates (plain ``tl.max`` may drop it), so the amax
     doubles as the NaN/inf check (:func:`nonfinite_tl`) at no extra cost per value."""
-    return tl.reduce(tl.abs(x), axis, max_nan_tl, keep_dims=KEEP)
+    return max_keep_nan_tl(tl.abs(x), axis, KEEP)
 
 
 @jit

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_shim import jit, tl
+from .triton_shim import interpreted, jit, tl
 
 
 E4M3_MAX = 448.0
@@ -252,3 +252,30 @@ def max_nan_tl(a, b):
 def min_nan_tl(a, b):
     """Combine function of a min reduction that keeps NaN."""
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+#: Whether the kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` when kvcompose was imported).
+INTERPRETED = tl.constexpr(interpreted(max_nan_tl)) if tl is not None else False
+
+
+@jit
+def max_keep_nan_tl(x, axis: tl.constexpr, KEEP: tl.constexpr):
+    """``max`` along ``axis``, NaN kept (:func:`max_nan_tl` as the combine function). The
+    interpreter runs a reduction with a function of ours one element at a time in Python
+    (seconds per launch at the test suite's shapes), so there it takes NumPy's max and a
+    separate NaN test instead: the same values."""
+    if INTERPRETED:
+        nan = tl.max((x != x).to(tl.int32), axis, keep_dims=KEEP)
+        return tl.where(nan != 0, float("nan"), tl.max(x, axis, keep_dims=KEEP))
+    else:
+        return tl.reduce(x, axis, max_nan_tl, keep_dims=KEEP)
+
+
+@jit
+def min_keep_nan_tl(x, axis: tl.constexpr, KEEP: tl.constexpr):
+    """``min`` along ``axis``, NaN kept (as :func:`max_keep_nan_tl`)."""
+    if INTERPRETED:
+        nan = tl.max((x != x).to(tl.int32), axis, keep_dims=KEEP)
+        return tl.where(nan != 0, float("nan"), tl.min(x, axis, keep_dims=KEEP))
+    else:
+        return tl.reduce(x, axis, min_nan_tl, keep_dims=KEEP)

@@ -49,7 +49,7 @@ from .checks import (
 )
 from .dispatch import use_triton
 from .layout import out_buffer, pack_codes, store_out_tl, unpack_codes
-from .numerics import max_nan_tl, min_nan_tl, recip_tl, reciprocal
+from .numerics import max_keep_nan_tl, max_nan_tl, min_keep_nan_tl, min_nan_tl, recip_tl, reciprocal
 from .triton_shim import LAUNCH_OPTS, cdiv, jit, next_pow2, tl
 
 
@@ -145,8 +145,8 @@ def _bf16_pair(w):
 @jit
 def _row_extremes(a, b):
     """Per-row ``(min, max)`` ``[R, 1]`` of ``a`` and ``b`` ``[R, C]``, NaN kept."""
-    lo = min_nan_tl(tl.reduce(a, 1, min_nan_tl, keep_dims=True), tl.reduce(b, 1, min_nan_tl, keep_dims=True))
-    return lo, max_nan_tl(tl.reduce(a, 1, max_nan_tl, keep_dims=True), tl.reduce(b, 1, max_nan_tl, keep_dims=True))
+    lo = min_nan_tl(min_keep_nan_tl(a, 1, True), min_keep_nan_tl(b, 1, True))
+    return lo, max_nan_tl(max_keep_nan_tl(a, 1, True), max_keep_nan_tl(b, 1, True))
 
 
 @jit
@@ -177,11 +177,11 @@ def _int_token_quantize_kernel(
         mask = ok & (c < GS)
         x = tl.load(x_ptr + g0 * GS + grp * GS + c, mask=mask, other=0.0).to(tl.float32)
         if BG == GS:  # rows past the end read zeros, and nothing of theirs is stored
-            lo = tl.reduce(x, 1, min_nan_tl, keep_dims=True)
-            hi = tl.reduce(x, 1, max_nan_tl, keep_dims=True)
+            lo = min_keep_nan_tl(x, 1, True)
+            hi = max_keep_nan_tl(x, 1, True)
         else:
-            lo = tl.reduce(tl.where(mask, x, float("inf")), 1, min_nan_tl, keep_dims=True)
-            hi = tl.reduce(tl.where(mask, x, float("-inf")), 1, max_nan_tl, keep_dims=True)
+            lo = min_keep_nan_tl(tl.where(mask, x, float("inf")), 1, True)
+            hi = max_keep_nan_tl(tl.where(mask, x, float("-inf")), 1, True)
     flags = range_flags_tl(lo, hi, ok, HALF)
     scale, lo = int_params_tl(lo, hi, BITS, HALF)
     inv = recip_tl(scale)

@@ -17,7 +17,7 @@ import torch
 from .checks import new_flags, set_flag_tl
 from .dispatch import use_triton
 from .layout import out_buffer, pack_codes, store_out_tl, unpack_codes
-from .numerics import max_nan_tl, min_nan_tl, recip_tl
+from .numerics import max_keep_nan_tl, max_nan_tl, min_keep_nan_tl, min_nan_tl, recip_tl
 from .quant_int import (
     BITS,
     FORMAT,
@@ -62,8 +62,8 @@ def _int_channel_quantize_kernel(
     for c in tl.static_range(0, BLOCK_G, CHUNK):
         mask = (c + t < G) & (c + t < N - tg * G) & (d < D)
         x = tl.load(x_ptr + row0 * D + ((c + t) * H) * D + d, mask=mask, other=0.0).to(tl.float32)
-        lo = min_nan_tl(lo, tl.reduce(tl.where(mask, x, float("inf")), 0, min_nan_tl))
-        hi = max_nan_tl(hi, tl.reduce(tl.where(mask, x, float("-inf")), 0, max_nan_tl))
+        lo = min_nan_tl(lo, min_keep_nan_tl(tl.where(mask, x, float("inf")), 0, False))
+        hi = max_nan_tl(hi, max_keep_nan_tl(tl.where(mask, x, float("-inf")), 0, False))
     dd = tl.arange(0, BD)
     flags = range_flags_tl(lo, hi, dd < D, HALF)
     scale, lo = int_params_tl(lo, hi, BITS, HALF)
