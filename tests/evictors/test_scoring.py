@@ -331,3 +331,29 @@ def test_scores_are_finite_with_empty_rows_and_bf16_keys():
         assert s.dtype == torch.float32 and torch.isfinite(s).all() and torch.all(s[0] == 0)
         keep = ev.select(ctx)
         assert int(keep[0].sum()) == 0 and int(keep[1].sum()) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_window_logits_of_16_bit_cuda_inputs_are_the_fp32_products(dtype):
+    """The tensor-core product written in fp32 gives the fp32 product of the same 16-bit values
+    (exact products, fp32 sums: only their order differs), with token-major keys as a view holds
+    them; and the attention scores built on it keep the tokens the CPU keeps."""
+    from kvcompose.evictors.attention import BMM_TO_FP32, window_logits
+
+    assert BMM_TO_FP32, "this torch cannot write a 16-bit product in fp32; the scoring copies keys to fp32"
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, G, W_, L, Dh = 3, 4, 4, 8, 300, 128
+    q = torch.randn(B, Hkv, G, W_, Dh, generator=g).to(dtype).cuda()
+    keys = torch.randn(B, L, Hkv, Dh, generator=g).to(dtype).cuda().transpose(1, 2)  # token-major, as a view's
+    fast = window_logits(q, keys)
+    exact = torch.einsum("bhgwd,bhld->bhgwl", q.double(), keys.double())
+    assert fast.dtype == torch.float32 and fast.shape == (B, Hkv, G, W_, L)
+    torch.testing.assert_close(fast.double(), exact, rtol=1e-5, atol=1e-4)
+    ctx = make_ctx([5, 6], 6, seed=4, keep=[3, 4])
+    ctx.keys, ctx.queries = ctx.keys.to(dtype), ctx.queries.to(dtype)
+    evictors = (AttentionEvictor(), AttentionEvictor(pool="avg", gqa="mean"))
+    on_cpu = [ev.select(ctx) for ev in evictors]
+    for name in ("keys", "queries", "positions", "valid", "keep", "protected", "query_valid", "query_positions"):
+        setattr(ctx, name, getattr(ctx, name).cuda())
+    assert [ev.select(ctx).cpu().tolist() for ev in evictors] == [k.tolist() for k in on_cpu]

@@ -103,15 +103,12 @@ def window_attention(ctx: EvictionContext, window: int, gqa: str) -> torch.Tenso
     """
     if ctx.queries is None or ctx.query_valid is None:
         raise ValueError(f"attention scoring needs the last {window} queries; the store must fill ctx.queries")
-    # fp32 in [B, Hkv, L, D] order: a view's keys lie token-major, and the einsum's batched product would
-    # copy them again into that order
-    keys = ctx.keys.to(torch.float32, memory_format=torch.contiguous_format)
-    B, Hkv, L, D = keys.shape
-    q = ctx.queries[:, :, -window:].float()
+    B, Hkv, L, D = ctx.keys.shape
+    q = ctx.queries[:, :, -window:]
     Hq, W = q.shape[1], q.shape[2]
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads cannot be grouped over {Hkv} KV heads")
-    logits = torch.einsum("bhgwd,bhld->bhgwl", q.view(B, Hkv, Hq // Hkv, W, D), keys) * ctx.scaling
+    logits = window_logits(q.reshape(B, Hkv, Hq // Hkv, W, D), ctx.keys) * ctx.scaling
     sees = ctx.valid[:, None, :] & recent(ctx.query_valid, window)[:, :, None]  # [B, W, L]
     if ctx.query_positions is not None:
         sees = sees & (ctx.positions[:, None, :] <= recent(ctx.query_positions, window)[:, :, None])
@@ -121,6 +118,28 @@ def window_attention(ctx: EvictionContext, window: int, gqa: str) -> torch.Tenso
     probs = logits.masked_fill(~sees, float("-inf")).softmax(dim=-1)
     probs = torch.where(sees, probs, torch.zeros_like(probs))  # also clears rows that saw nothing (NaN)
     return probs.mean(dim=2)
+
+
+#: Whether torch writes a product of 16-bit CUDA matrices straight in fp32 (``bmm(..., out_dtype=)``).
+BMM_TO_FP32 = hasattr(torch.ops.aten.bmm, "dtype")
+
+
+def window_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``q · k`` in fp32, ``[B, Hkv, G, W, L]``, of queries ``[B, Hkv, G, W, D]`` and keys
+    ``[B, Hkv, L, D]`` (a view's keys lie token-major). Two 16-bit values multiply exactly in
+    fp32, so for 16-bit CUDA inputs of one dtype the tensor cores' product with fp32 sums and an
+    fp32 output gives the fp32 product's values (up to the order of the sums) without an fp32
+    copy of the keys, which made a layer's scoring cost three times as much; elsewhere both
+    operands go to fp32."""
+    B, Hkv, G, W, D = q.shape
+    L = keys.shape[2]
+    if keys.is_cuda and BMM_TO_FP32 and keys.dtype in (torch.float16, torch.bfloat16) and q.dtype == keys.dtype:
+        by_head = keys.contiguous().view(B * Hkv, L, D)
+        out = torch.bmm(q.reshape(B * Hkv, G * W, D), by_head.transpose(1, 2), out_dtype=torch.float32)
+        return out.view(B, Hkv, G, W, L)
+    # fp32 in [B, Hkv, L, D] order: the einsum's batched product would copy token-major keys again
+    keys = keys.to(torch.float32, memory_format=torch.contiguous_format)
+    return torch.einsum("bhgwd,bhld->bhgwl", q.float(), keys)
 
 
 def pool_tokens(
