@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compiled import fused
 from ..device_constants import device_constant
 from ..ops.kmeans import kmeans_select
 from ..registry import register
@@ -65,124 +66,163 @@ class ThoughtEvictor(Evictor):
         retention value, so a long run keeps more than a small budget."""
         return prompt_columns + (new_tokens // max(segment, 1)) * min(segment, self.retention[-1])
 
+    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The retention values ascending after ``R`` copies of the floor (so a step past the
+        floor reads the floor), and the offsets ``R - 1, ..., 0`` of the values 1..R steps down."""
+        R, ascending = len(self.retention), tuple(sorted(self.retention))
+        return (device_constant((ascending[0],) * R + ascending, device),
+                device_constant(tuple(range(R - 1, -1, -1)), device))
+
     def _next(self, size: torch.Tensor) -> torch.Tensor:
         """The next retention value below ``size`` (``size`` itself at or under the floor)."""
-        return self._steps_down(size, 1)[..., 0]
+        return steps_down(size, *self._tables(size.device), 1)[..., 0]
 
     def _levels(self, size: torch.Tensor) -> torch.Tensor:
         """``[..., R + 1]``: ``size``, then the next retention value below, again and again (the
         floor is reached within ``R`` steps; a size at or under it stays)."""
-        return torch.cat([size[..., None], self._steps_down(size, len(self.retention))], dim=-1)
+        return levels(size, *self._tables(size.device))
 
-    def _steps_down(self, size: torch.Tensor, n: int) -> torch.Tensor:
-        """``[..., n]``: the retention value 1, 2, ..., ``n`` steps below ``size``, from one search of
-        the retention values. The table below is padded with ``R`` copies of the floor, so a step past
-        the floor reads the floor, and the minimum with ``size`` keeps a size at or under the floor
-        (the few launches matter: this runs per layer in a captured eviction step)."""
-        R = len(self.retention)
-        ascending = tuple(sorted(self.retention))
-        padded = device_constant((ascending[0],) * R + ascending, size.device)
-        offsets = device_constant(tuple(range(R - 1, R - 1 - n, -1)), size.device)  # R - k for k = 1..n
-        below = torch.searchsorted(padded[R:], size.contiguous())[..., None]  # retention values under size
-        return torch.minimum(padded[below + offsets], size[..., None])
+    def _step_down_over_budget(self, target, closed, order_key, held, keep) -> torch.Tensor:
+        """Case 2 (:func:`step_down_over_budget`) on this schedule."""
+        return step_down_over_budget(target, closed, order_key, held, keep, *self._tables(target.device))
+
+    @staticmethod
+    def _segment_sizes_and_classes(seg, gen, classes, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return segment_sizes_and_classes(seg, gen, classes, S)
 
     def select(self, ctx: EvictionContext) -> torch.Tensor:
         if ctx.segment < 1 or ctx.classes is None or not ctx.class_names:
             raise ValueError("tbe evictor needs token classes and the policy's refresh period (segment size)")
         tau, B = ctx.segment, ctx.valid.shape[0]
-        gen = ctx.valid & (ctx.positions >= ctx.prompt_columns)
-        seg = torch.where(gen, (ctx.positions - ctx.prompt_columns) // tau, -1)
-        newest = seg.amax(1)  # index of the newest (possibly open) segment per row
-        done = torch.where(newest >= 0, (ctx.positions.amax(1) - ctx.prompt_columns + 1) // tau, 0)
-        S = self._segment_columns(ctx, done)
+        S = self._segment_columns(ctx)
         if S == 0:
             return ctx.valid.clone()
-        idx = torch.arange(S, device=seg.device)
-        closed = idx[None, :] < done[:, None]  # [B, S] completed segments
-        size, cls = self._segment_sizes_and_classes(seg, gen, ctx.classes, S)
-
         names = list(ctx.class_names)
-        target = size  # replaced, never written in place
-        # Case 1: the segment that just completed is a transition -> every earlier one steps down.
-        if self.transition in names:
-            last = (done - 1).clamp(min=0)
-            ended_t = (done > 0) & (cls.gather(1, last[:, None])[:, 0] == names.index(self.transition))
-            earlier = (idx[None, :] < last[:, None]) & ended_t[:, None]  # closed: last < done
-            target = torch.where(earlier, self._next(target), target)
-        # Case 2: over budget -> least important, oldest completed segment steps down, repeatedly.
         # the order segments step down in: by importance rank (n + 1 - rank; an empty segment, class -1,
         # reads the table's last entry n + 2), then oldest first
         rank = [self.importance.index(n) if n in self.importance else len(self.importance) for n in names]
-        by_class = device_constant(tuple(len(names) + 1 - r for r in rank) + (len(names) + 2,), seg.device)
-        order_key = by_class[cls] * S + idx[None, :]
-        target = self._step_down_over_budget(target, closed, order_key, ctx.valid.sum(1) - (size - target).sum(1),
-                                             ctx.keep)
-        return self._keep_representatives(ctx, gen, size, target)
-
-    @staticmethod
-    def _segment_sizes_and_classes(seg, gen, classes, S: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, S]`` live tokens of each segment, and its class (-1 where empty): one scatter
-        over the columns each, not a ``[B, L, S]`` membership tensor. Columns outside the
-        segments (prompt, empty, beyond ``S``) land in a spare last column."""
-        B = seg.shape[0]
-        at = torch.where(gen, seg.clamp(max=S), S)
-        size = torch.zeros(B, S + 1, dtype=torch.long, device=seg.device).scatter_add_(1, at, gen.long())
-        cls = torch.full((B, S + 1), -1, dtype=torch.long, device=seg.device).scatter_reduce_(
-            1, at, torch.where(gen, classes, -1), reduce="amax")
-        return size[:, :S], cls[:, :S]
-
-    @staticmethod
-    def _segment_columns(ctx: EvictionContext, done: torch.Tensor) -> int:
-        """How many segments the per-segment tensors hold: all the run can complete when static
-        decode says how long it is (fixed shapes, no host read), else those completed so far."""
-        if ctx.columns_limit is not None:
-            return max(0, ctx.columns_limit - ctx.prompt_columns) // ctx.segment
-        return int(done.max()) if done.numel() else 0
-
-    def _step_down_over_budget(self, target, closed, order_key, held, keep) -> torch.Tensor:
-        """Case 2 without a loop over rounds: while a row holds more than ``keep``, its least
-        important, oldest segment that can still shrink steps down one level. That order is
-        fixed (a segment goes down to its floor before the next one moves), so the moves form
-        one sequence per row; a move happens while the tokens held before it exceed ``keep``,
-        which makes the moves taken a prefix of it (cumulative savings). ``order_key``: ``[B, S]``,
-        ascending in that order. No host reads."""
-        B, S = target.shape
-        levels = self._levels(target)  # [B, S, R + 1]
-        saving = (levels[..., :-1] - levels[..., 1:]) * closed[..., None]  # [B, S, R]
-        order = torch.argsort(order_key, dim=1, stable=True)
-        ranked = saving.gather(1, order[..., None].expand_as(saving)).reshape(B, -1)
-        before = ranked.cumsum(1) - ranked
-        taken = ((held[:, None] - before) > keep[:, None]) & (ranked > 0)
-        moves = torch.empty_like(target).scatter_(1, order, taken.view(B, S, -1).sum(-1))
-        return levels.gather(2, moves[..., None])[..., 0]
-
-    def _keep_representatives(self, ctx, gen, size, target) -> torch.Tensor:
-        """Shrink every segment whose target is below its size to its K-means representatives.
-
-        A row's slots sorted by position hold its prompt, then each segment's tokens in a run
-        (a segment spans ``segment`` positions), so segment ``s`` of row ``b`` starts at the
-        row's prompt tokens plus the sizes of its earlier segments. K-means runs on every
-        (row, segment) with fixed shapes, reading the keys in place; a segment that keeps its
-        size asks for no representatives, which the kernel skips."""
-        B, L = ctx.valid.shape
-        S, tau = size.shape[1], ctx.segment
-        big = torch.iinfo(torch.long).max
-        # Position order, whatever slots the tokens lie in (K-means seeds and ties follow it).
-        by_position = torch.argsort(torch.where(ctx.valid, ctx.positions, big), dim=1, stable=True)
-        start = (ctx.valid & ~gen).sum(1, keepdim=True) + size.cumsum(1) - size  # [B, S]
-        offset = torch.arange(tau, device=size.device)
-        live = offset < size[..., None]  # [B, S, tau]
-        cols = by_position.gather(1, (start[..., None] + offset).clamp(max=L - 1).view(B, -1)).view(B, S, tau)
-        shrinks = target < size
-        rows = torch.arange(B, device=size.device).repeat_interleave(S)
+        by_class = device_constant(tuple(len(names) + 1 - r for r in rank) + (len(names) + 2,), ctx.valid.device)
+        transition = names.index(self.transition) if self.transition in names else -1
+        cols, live, goal, shrinks, rows = plan_segments(
+            ctx.valid, ctx.positions, ctx.classes, ctx.keep, *self._tables(ctx.valid.device), by_class,
+            ctx.prompt_columns, tau, S, transition)
+        # K-means keeps each shrinking segment's representatives
         if ctx.keys is not None:  # a view with its keys decoded: read them in place
             keys, slots = ctx.keys, (rows, cols.view(B * S, tau))
         else:  # only the segments' columns decoded
             keys, slots = ctx.keys_at(rows, cols.view(B * S, tau)), None
-        chosen = kmeans_select(keys, live.view(B * S, tau), torch.where(shrinks, target, 0).view(-1),
-                               iters=self.kmeans_iters, max_k=max(self.retention), validate=False,
-                               slots=slots, heads=ctx.heads).view(B, S, tau)
-        drop = live & ~chosen & shrinks[..., None]
-        dropped = torch.zeros(B, L, dtype=torch.int32, device=size.device).scatter_add_(
-            1, cols.view(B, -1), drop.view(B, -1).to(torch.int32))
-        return ctx.valid & ((dropped == 0) | ctx.protected)
+        chosen = kmeans_select(keys, live.view(B * S, tau), goal.view(-1), iters=self.kmeans_iters,
+                               max_k=max(self.retention), validate=False, slots=slots, heads=ctx.heads)
+        return kept_tokens(ctx.valid, ctx.protected, cols, live, chosen.view(B, S, tau), shrinks)
+
+    @staticmethod
+    def _segment_columns(ctx: EvictionContext) -> int:
+        """How many segments the per-segment tensors hold: all the run can complete when static
+        decode says how long it is (fixed shapes, no host read), else those completed so far."""
+        if ctx.columns_limit is not None:
+            return max(0, ctx.columns_limit - ctx.prompt_columns) // ctx.segment
+        done = completed_segments(ctx.valid, ctx.positions, ctx.prompt_columns, ctx.segment)[2]
+        return int(done.max()) if done.numel() else 0
+
+
+# ---------------------------------------------------------------- the bookkeeping, as pure functions
+def completed_segments(valid, positions, prompt_columns: int, tau: int):
+    """Generated tokens ``[B, L]``, each one's segment (-1: none), and the completed segments per row ``[B]``."""
+    gen = valid & (positions >= prompt_columns)
+    seg = torch.where(gen, (positions - prompt_columns) // tau, -1)
+    newest = seg.amax(1)  # index of the newest (possibly open) segment per row
+    done = torch.where(newest >= 0, (positions.amax(1) - prompt_columns + 1) // tau, 0)
+    return gen, seg, done
+
+
+def steps_down(size: torch.Tensor, padded: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """``[..., n]``: the retention value 1, 2, ..., ``n`` steps below ``size``, from one search of the
+    table ``padded`` (:meth:`ThoughtEvictor._tables`); the minimum with ``size`` keeps a size at or
+    under the floor."""
+    R = offsets.shape[0]
+    below = torch.searchsorted(padded[R:], size.contiguous())[..., None]  # retention values under size
+    return torch.minimum(padded[below + offsets[:n]], size[..., None])
+
+
+def levels(size: torch.Tensor, padded: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[..., R + 1]``: ``size``, then the values 1..R steps down the retention schedule."""
+    return torch.cat([size[..., None], steps_down(size, padded, offsets, offsets.shape[0])], dim=-1)
+
+
+def segment_sizes_and_classes(seg, gen, classes, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, S]`` live tokens of each segment, and its class (-1 where empty): one scatter
+    over the columns each, not a ``[B, L, S]`` membership tensor. Columns outside the
+    segments (prompt, empty, beyond ``S``) land in a spare last column."""
+    B = seg.shape[0]
+    at = torch.where(gen, seg.clamp(max=S), S)
+    size = torch.zeros(B, S + 1, dtype=torch.long, device=seg.device).scatter_add_(1, at, gen.long())
+    cls = torch.full((B, S + 1), -1, dtype=torch.long, device=seg.device).scatter_reduce_(
+        1, at, torch.where(gen, classes, -1), reduce="amax")
+    return size[:, :S], cls[:, :S]
+
+
+def step_down_over_budget(target, closed, order_key, held, keep, padded, offsets) -> torch.Tensor:
+    """Case 2 without a loop over rounds: while a row holds more than ``keep``, its least
+    important, oldest segment that can still shrink steps down one level. That order is
+    fixed (a segment goes down to its floor before the next one moves), so the moves form
+    one sequence per row; a move happens while the tokens held before it exceed ``keep``,
+    which makes the moves taken a prefix of it (cumulative savings). ``order_key``: ``[B, S]``,
+    ascending in that order. No host reads."""
+    B, S = target.shape
+    chain = levels(target, padded, offsets)  # [B, S, R + 1]
+    saving = (chain[..., :-1] - chain[..., 1:]) * closed[..., None]  # [B, S, R]
+    order = torch.argsort(order_key, dim=1, stable=True)
+    ranked = saving.gather(1, order[..., None].expand_as(saving)).reshape(B, -1)
+    before = ranked.cumsum(1) - ranked
+    taken = ((held[:, None] - before) > keep[:, None]) & (ranked > 0)
+    moves = torch.empty_like(target).scatter_(1, order, taken.view(B, S, -1).sum(-1))
+    return chain.gather(2, moves[..., None])[..., 0]
+
+
+@fused
+def plan_segments(valid, positions, classes, keep, padded, offsets, by_class, prompt_columns: int, tau: int,
+                  S: int, transition: int):
+    """Every completed segment's target size (cases 1 and 2), and what K-means needs for the
+    segments that shrink: ``cols`` ``[B, S, tau]``, the columns of each segment's tokens; ``live``,
+    which of them hold one; ``goal`` ``[B, S]``, the representatives to keep (0: the segment keeps
+    its size, and K-means skips it); ``shrinks``; and ``rows`` ``[B * S]``, each segment's row.
+
+    A row's slots sorted by position hold its prompt, then each segment's tokens in a run
+    (a segment spans ``tau`` positions), so segment ``s`` of row ``b`` starts at the row's
+    prompt tokens plus the sizes of its earlier segments (seeds and ties of K-means follow
+    position order, whatever slots the tokens lie in). ``transition``: the index of the class
+    whose completion steps every earlier segment down (-1: none); ``by_class``: each class's
+    step-down rank. Pure tensor work without host reads: one fused graph in a fused decode."""
+    B, L = valid.shape
+    gen, seg, done = completed_segments(valid, positions, prompt_columns, tau)
+    idx = torch.arange(S, device=valid.device)
+    size, cls = segment_sizes_and_classes(seg, gen, classes, S)
+    target = size  # replaced, never written in place
+    if transition >= 0:  # case 1: the segment that just completed is a transition -> every earlier one steps down
+        last = (done - 1).clamp(min=0)
+        ended_t = (done > 0) & (cls.gather(1, last[:, None])[:, 0] == transition)
+        earlier = (idx[None, :] < last[:, None]) & ended_t[:, None]  # closed: last < done
+        target = torch.where(earlier, steps_down(target, padded, offsets, 1)[..., 0], target)
+    # case 2: over budget -> least important, oldest completed segment steps down, repeatedly
+    order_key = by_class[cls] * S + idx[None, :]
+    target = step_down_over_budget(target, idx[None, :] < done[:, None], order_key,
+                                   valid.sum(1) - (size - target).sum(1), keep, padded, offsets)
+    by_position = torch.argsort(torch.where(valid, positions, torch.iinfo(torch.long).max), dim=1, stable=True)
+    start = (valid & ~gen).sum(1, keepdim=True) + size.cumsum(1) - size  # [B, S]
+    offset = torch.arange(tau, device=valid.device)
+    live = offset < size[..., None]  # [B, S, tau]
+    cols = by_position.gather(1, (start[..., None] + offset).clamp(max=L - 1).view(B, -1)).view(B, S, tau)
+    shrinks = target < size
+    rows = torch.arange(B, device=valid.device).repeat_interleave(S)
+    return cols, live, torch.where(shrinks, target, 0), shrinks, rows
+
+
+@fused
+def kept_tokens(valid, protected, cols, live, chosen, shrinks) -> torch.Tensor:
+    """``[B, L]``: the live tokens that stay, every one outside the shrinking segments, K-means'
+    choice ``chosen`` ``[B, S, tau]`` inside them, and the protected ones wherever they are."""
+    B, L = valid.shape
+    drop = live & ~chosen & shrinks[..., None]
+    dropped = torch.zeros(B, L, dtype=torch.int32, device=valid.device).scatter_add_(
+        1, cols.view(B, -1), drop.view(B, -1).to(torch.int32))
+    return valid & ((dropped == 0) | protected)

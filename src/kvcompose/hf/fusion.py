@@ -37,6 +37,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..compiled import compiled_functions
 from .attention import UnsupportedModelError
 from .projections import deduplicate_products, stacked_projections
 
@@ -96,7 +97,8 @@ def _with_merged_products(backend):
 @contextmanager
 def fused_layers(model, backend: str | None = None):
     """Within the block, ``model``'s decoder layers and :func:`step_modules` run their compiled
-    ``forward`` (``backend``: default :data:`BACKEND`); they get their own back on exit, whatever
+    ``forward`` (``backend``: default :data:`BACKEND`), and the policy's bookkeeping marked
+    :func:`kvcompose.compiled.fused` runs compiled too; they get their own back on exit, whatever
     happens."""
     layers = decoder_layers(model)
     modules = list(layers) + step_modules(model)
@@ -111,7 +113,7 @@ def fused_layers(model, backend: str | None = None):
         for module in modules:
             module.forward = types.MethodType(compiled_forward(type(module), backend), module)
         try:
-            with stacked_projections(layers):
+            with stacked_projections(layers), compiled_functions():
                 yield
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise RuntimeError(f"could not compile {type(layers[0]).__name__} for a fused decode step ({exc}); "
