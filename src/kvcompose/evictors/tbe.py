@@ -98,10 +98,10 @@ class ThoughtEvictor(Evictor):
         if S == 0:
             return ctx.valid.clone()
         names = list(ctx.class_names)
-        # the order segments step down in: by importance rank (n + 1 - rank; an empty segment, class -1,
-        # reads the table's last entry n + 2), then oldest first
+        # the order segments step down in: by importance rank (n + 1 - rank at class + 1; an empty segment,
+        # class -1, reads the first entry, n + 2), then oldest first
         rank = [self.importance.index(n) if n in self.importance else len(self.importance) for n in names]
-        by_class = device_constant(tuple(len(names) + 1 - r for r in rank) + (len(names) + 2,), ctx.valid.device)
+        by_class = device_constant((len(names) + 2,) + tuple(len(names) + 1 - r for r in rank), ctx.valid.device)
         transition = names.index(self.transition) if self.transition in names else -1
         cols, live, goal, shrinks, rows = plan_segments(
             ctx.valid, ctx.positions, ctx.classes, ctx.keep, *self._tables(ctx.valid.device), by_class,
@@ -140,7 +140,7 @@ def steps_down(size: torch.Tensor, padded: torch.Tensor, offsets: torch.Tensor, 
     table ``padded`` (:meth:`ThoughtEvictor._tables`); the minimum with ``size`` keeps a size at or
     under the floor."""
     R = offsets.shape[0]
-    below = torch.searchsorted(padded[R:], size.contiguous())[..., None]  # retention values under size
+    below = (padded[R:] < size[..., None]).sum(-1, keepdim=True)  # retention values under size (R is small)
     return torch.minimum(padded[below + offsets[:n]], size[..., None])
 
 
@@ -192,7 +192,8 @@ def plan_segments(valid, positions, classes, keep, padded, offsets, by_class, pr
     prompt tokens plus the sizes of its earlier segments (seeds and ties of K-means follow
     position order, whatever slots the tokens lie in). ``transition``: the index of the class
     whose completion steps every earlier segment down (-1: none); ``by_class``: each class's
-    step-down rank. Pure tensor work without host reads: one fused graph in a fused decode."""
+    step-down rank at ``class + 1`` (an empty segment's first). Pure tensor work without host
+    reads: one fused graph in a fused decode."""
     B, L = valid.shape
     gen, seg, done = completed_segments(valid, positions, prompt_columns, tau)
     idx = torch.arange(S, device=valid.device)
@@ -204,7 +205,7 @@ def plan_segments(valid, positions, classes, keep, padded, offsets, by_class, pr
         earlier = (idx[None, :] < last[:, None]) & ended_t[:, None]  # closed: last < done
         target = torch.where(earlier, steps_down(target, padded, offsets, 1)[..., 0], target)
     # case 2: over budget -> least important, oldest completed segment steps down, repeatedly
-    order_key = by_class[cls] * S + idx[None, :]
+    order_key = by_class[cls + 1] * S + idx[None, :]
     target = step_down_over_budget(target, idx[None, :] < done[:, None], order_key,
                                    valid.sum(1) - (size - target).sum(1), keep, padded, offsets)
     by_position = torch.argsort(torch.where(valid, positions, torch.iinfo(torch.long).max), dim=1, stable=True)
@@ -212,6 +213,7 @@ def plan_segments(valid, positions, classes, keep, padded, offsets, by_class, pr
     offset = torch.arange(tau, device=valid.device)
     live = offset < size[..., None]  # [B, S, tau]
     cols = by_position.gather(1, (start[..., None] + offset).clamp(max=L - 1).view(B, -1)).view(B, S, tau)
+    cols = torch.where(live, cols, 0)  # past a segment's tokens: slot 0, whatever order the sort left empty slots in
     shrinks = target < size
     rows = torch.arange(B, device=valid.device).repeat_interleave(S)
     return cols, live, torch.where(shrinks, target, 0), shrinks, rows
