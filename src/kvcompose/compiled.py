@@ -23,8 +23,13 @@ import torch
 
 #: The compiler backend of fused bookkeeping.
 BACKEND = "inductor"
+#: Compilations allowed per function inside :func:`compiled_functions`: one per batch size and
+#: store shape a process decodes with (the default of 8 would turn the ninth into an error).
+RECOMPILE_LIMIT = 1024
 
 _depth = 0  # how many compiled_functions() blocks are open
+# with fullgraph, a compilation past the recompile limit raises this (not a TorchDynamoException)
+_LIMIT_HIT = tuple(e for e in [getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None)] if e is not None)
 
 
 @contextmanager
@@ -33,13 +38,16 @@ def compiled_functions():
     global _depth
     _depth += 1
     try:
-        yield
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                        accumulated_recompile_limit=RECOMPILE_LIMIT):
+            yield
     finally:
         _depth -= 1
 
 
 def compiling() -> bool:
-    """Whether :func:`fused` functions compile now (inside :func:`compiled_functions`)."""
+    """Whether a :func:`compiled_functions` block is open (where :func:`fused` functions run
+    compiled on CUDA tensors; on CPU tensors they still run as written)."""
     return _depth > 0
 
 
@@ -57,7 +65,7 @@ def fused(fn):
             compiled = torch.compile(fn, backend=BACKEND, dynamic=False, fullgraph=True)
         try:
             return compiled(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as exc:
+        except (torch._dynamo.exc.TorchDynamoException, *_LIMIT_HIT) as exc:
             raise RuntimeError(f"could not compile {fn.__qualname__} for a fused decode step ({exc}); "
                                "decode with fast_generate(..., fuse=False)") from exc
 

@@ -335,7 +335,7 @@ def test_scores_are_finite_with_empty_rows_and_bf16_keys():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_window_logits_of_16_bit_cuda_inputs_are_the_fp32_products(dtype):
+def test_window_logits_of_16_bit_cuda_inputs_are_the_fp32_products(dtype, monkeypatch):
     """The tensor-core product written in fp32 gives the fp32 product of the same 16-bit values
     (exact products, fp32 sums: only their order differs), with token-major keys as a view holds
     them; and the attention scores built on it keep the tokens the CPU keeps."""
@@ -346,8 +346,10 @@ def test_window_logits_of_16_bit_cuda_inputs_are_the_fp32_products(dtype):
     B, Hkv, G, W_, L, Dh = 3, 4, 4, 8, 300, 128
     q = torch.randn(B, Hkv, G, W_, Dh, generator=g).to(dtype).cuda()
     keys = torch.randn(B, L, Hkv, Dh, generator=g).to(dtype).cuda().transpose(1, 2)  # token-major, as a view's
-    fast = window_logits(q, keys)
     exact = torch.einsum("bhgwd,bhld->bhgwl", q.double(), keys.double())
+    with monkeypatch.context() as m:  # the tensor-core path, not the fp32 einsum
+        m.setattr(torch, "einsum", lambda *a, **k: pytest.fail("16-bit CUDA logits went through the fp32 einsum"))
+        fast = window_logits(q, keys)
     assert fast.dtype == torch.float32 and fast.shape == (B, Hkv, G, W_, L)
     torch.testing.assert_close(fast.double(), exact, rtol=1e-5, atol=1e-4)
     ctx = make_ctx([5, 6], 6, seed=4, keep=[3, 4])

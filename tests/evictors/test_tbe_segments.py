@@ -47,7 +47,7 @@ def _plan_inputs(device="cpu", seed=0):
     classes = torch.randint(0, 3, (B, L), generator=g)
     keep = torch.tensor([60, 80, 100])
     padded, offsets = ThoughtEvictor(retention=(8, 4, 2))._tables(torch.device("cpu"))
-    by_class = torch.tensor([5, 3, 2, 1])  # as select() builds it for classes (R, E, T), an empty segment first
+    by_class = torch.tensor([5, 4, 3, 2])  # as select() builds it for classes (R, E, T), an empty segment first
     tensors = [t.to(device) for t in (valid, positions, classes, keep, padded, offsets, by_class)]
     return (*tensors, prompt, tau, (L - prompt) // tau, 2)
 

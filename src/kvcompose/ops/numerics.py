@@ -260,13 +260,14 @@ INTERPRETED = tl.constexpr(interpreted(max_nan_tl)) if tl is not None else False
 
 @jit
 def max_keep_nan_tl(x, axis: tl.constexpr, KEEP: tl.constexpr):
-    """``max`` along ``axis``, NaN kept (:func:`max_nan_tl` as the combine function). The
+    """``max`` of fp32 ``x`` along ``axis``, NaN kept (:func:`max_nan_tl` as the combine function). The
     interpreter runs a reduction with a function of ours one element at a time in Python
     (seconds per launch at the test suite's shapes), so there it takes NumPy's max and a
-    separate NaN test instead: the same values."""
+    separate NaN test instead: the same values (a zero's sign may differ)."""
     if INTERPRETED:
         nan = tl.max((x != x).to(tl.int32), axis, keep_dims=KEEP)
-        return tl.where(nan != 0, float("nan"), tl.max(x, axis, keep_dims=KEEP))
+        rest = tl.max(tl.where(x == x, x, float("-inf")), axis, keep_dims=KEEP)  # NumPy warns on all-NaN rows
+        return tl.where(nan != 0, float("nan"), rest)
     else:
         return tl.reduce(x, axis, max_nan_tl, keep_dims=KEEP)
 
@@ -276,6 +277,7 @@ def min_keep_nan_tl(x, axis: tl.constexpr, KEEP: tl.constexpr):
     """``min`` along ``axis``, NaN kept (as :func:`max_keep_nan_tl`)."""
     if INTERPRETED:
         nan = tl.max((x != x).to(tl.int32), axis, keep_dims=KEEP)
-        return tl.where(nan != 0, float("nan"), tl.min(x, axis, keep_dims=KEEP))
+        rest = tl.min(tl.where(x == x, x, float("inf")), axis, keep_dims=KEEP)
+        return tl.where(nan != 0, float("nan"), rest)
     else:
         return tl.reduce(x, axis, min_nan_tl, keep_dims=KEEP)
