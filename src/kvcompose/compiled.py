@@ -23,8 +23,9 @@ import torch
 
 #: The compiler backend of fused bookkeeping.
 BACKEND = "inductor"
-#: Compilations allowed per function inside :func:`compiled_functions`: one per batch size and
-#: store shape a process decodes with (the default of 8 would turn the ninth into an error).
+#: Compilations allowed per function inside :func:`compiled_functions` and the fused layers: one
+#: per decoder layer (its index is a constant of a layer's graphs), batch size and store shape a
+#: process decodes with (the default of 8 would turn the ninth into an error).
 RECOMPILE_LIMIT = 1024
 
 _depth = 0  # how many compiled_functions() blocks are open

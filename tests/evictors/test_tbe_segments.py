@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvcompose import compiled
-from kvcompose.evictors.tbe import ThoughtEvictor, kept_tokens, plan_segments
+from kvcompose.evictors.tbe import ThoughtEvictor, kept_tokens, plan_segments, segment_sizes_and_classes
 
 
 def test_segment_sizes_and_classes_match_the_membership_definition():
@@ -16,7 +16,7 @@ def test_segment_sizes_and_classes_match_the_membership_definition():
     classes = torch.randint(0, 3, (B, L), generator=g)
     seg[3] = -1  # a row without generated tokens
     gen[3] = False
-    size, cls = ThoughtEvictor._segment_sizes_and_classes(seg, gen, classes, S)
+    size, cls = segment_sizes_and_classes(seg, gen, classes, S)
     in_seg = (seg[:, :, None] == torch.arange(S)[None, None, :]) & gen[:, :, None]
     assert torch.equal(size, in_seg.sum(1))
     assert torch.equal(cls, torch.where(in_seg, classes[:, :, None], -1).amax(1))

@@ -6,6 +6,7 @@ import torch
 from conftest import greedy, left_padded, tiny_model, use_torch_references
 from kvcompose import Policy
 from kvcompose.evictors import EvictionContext, ThoughtEvictor
+from kvcompose.evictors.tbe import step_down_over_budget
 from kvcompose.triggers import SegmentEnd, TriggerInput
 
 CLASSES = ("R", "E", "T")
@@ -181,5 +182,5 @@ def test_over_budget_step_downs_equal_the_round_by_round_rule():
         keep = torch.randint(0, int(held.max()) + 1, (B,), generator=g)
         expected = _step_down_by_rounds(tbe, target, closed, importance, 3, held, keep)
         order_key = (3 + 1 - importance) * S + torch.arange(S)[None, :]  # as select builds it
-        got = tbe._step_down_over_budget(target, closed, order_key, held, keep)
+        got = step_down_over_budget(target, closed, order_key, held, keep, *tbe._tables(target.device))
         assert torch.equal(got, expected), (trial, target, closed, importance, held, keep, got, expected)

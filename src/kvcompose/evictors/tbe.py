@@ -82,14 +82,6 @@ class ThoughtEvictor(Evictor):
         floor is reached within ``R`` steps; a size at or under it stays)."""
         return levels(size, *self._tables(size.device))
 
-    def _step_down_over_budget(self, target, closed, order_key, held, keep) -> torch.Tensor:
-        """Case 2 (:func:`step_down_over_budget`) on this schedule."""
-        return step_down_over_budget(target, closed, order_key, held, keep, *self._tables(target.device))
-
-    @staticmethod
-    def _segment_sizes_and_classes(seg, gen, classes, S: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return segment_sizes_and_classes(seg, gen, classes, S)
-
     def select(self, ctx: EvictionContext) -> torch.Tensor:
         if ctx.segment < 1 or ctx.classes is None or not ctx.class_names:
             raise ValueError("tbe evictor needs token classes and the policy's refresh period (segment size)")

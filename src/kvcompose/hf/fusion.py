@@ -37,15 +37,12 @@ from contextlib import contextmanager
 
 import torch
 
-from ..compiled import compiled_functions
+from ..compiled import RECOMPILE_LIMIT, compiled_functions
 from .attention import UnsupportedModelError
 from .projections import deduplicate_products, stacked_projections
 
 #: The compiler backend of fused steps ("inductor" fuses; "aot_eager" traces without fusing, for checks).
 BACKEND = "inductor"
-#: Compilations allowed per code object while fused layers run: one per decoder layer (its index
-#: is a constant of its graphs) and batch size, with room for the largest models.
-RECOMPILE_LIMIT = 1024
 
 
 def _decoder(model):
